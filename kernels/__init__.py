@@ -1,0 +1,66 @@
+"""The operations a forward pass needs, one implementation set per device type.
+
+Model files (worker/models/*.py) call only the methods of `Backend`; arrays are
+whatever the backend's array type is (numpy on the CPU, CuPy on CUDA) and
+support the ordinary arithmetic operators, reshape and indexing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+Array = Any  # numpy.ndarray on the CPU backend, cupy.ndarray on CUDA
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """How the packed tokens of one forward split into sequences.
+
+    Tokens are packed sequence after sequence; sequence i owns
+    `query_lens[i]` consecutive rows, its new tokens sit at the end of a
+    context of `context_lens[i]` tokens whose K/V live in the blocks listed by
+    `block_tables[i]`.
+    """
+    query_lens: np.ndarray       # int64 [n_seqs]
+    context_lens: np.ndarray     # int64 [n_seqs]
+    block_tables: np.ndarray     # int32 [n_seqs, max_blocks], padded with 0
+    slot_mapping: np.ndarray     # int64 [n_tokens]: block * block_size + offset for each new K/V
+    causal: bool = True
+
+    @property
+    def all_decode(self) -> bool:
+        return bool(np.all(self.query_lens == 1))
+
+
+class Backend(Protocol):
+    name: str
+
+    def asarray(self, x: np.ndarray) -> Array: ...
+    def to_numpy(self, x: Array) -> np.ndarray: ...
+    def prepare_weight(self, w: np.ndarray) -> Any:
+        """Take a float32 [out_features, in_features] matrix into the layout `matmul` wants."""
+    def matmul(self, x: Array, w: Any) -> Array:
+        """x [n, in] times the prepared weight -> [n, out]."""
+    def embedding(self, table: Any, ids: np.ndarray) -> Array: ...
+    def rms_norm(self, x: Array, weight: Array, eps: float) -> Array: ...
+    def rope(self, x: Array, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> Array:
+        """Rotate x [n, heads, head_dim] in place of the first n_dims dims, normal (adjacent pairs) or NeoX (halves)."""
+    def alloc_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> tuple[Array, Array]: ...
+    def store_kv(self, k_cache: Array, v_cache: Array, k: Array, v: Array, slot_mapping: np.ndarray) -> None: ...
+    def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, meta: AttentionMetadata,
+                        scale: float, window: int = 0) -> Array:
+        """q [n, heads, d] -> [n, heads, d]; keys k with p - window < k <= p when window > 0."""
+    def swiglu(self, gate: Array, up: Array) -> Array: ...
+    def gelu_tanh_gate(self, gate: Array, up: Array) -> Array: ...
+    def log_softmax(self, x: Array) -> Array: ...
+    def top_k(self, x: Array, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Best-first (ids, values) of each row of x, as numpy."""
+
+
+def get_backend(name: str = "cpu") -> Backend:
+    if name in ("cpu", "auto"):
+        from kernels.cpu import CPUBackend
+        return CPUBackend()
+    raise ValueError(f"unknown kernels backend {name!r} (available: cpu)")

@@ -1,0 +1,3 @@
+from kernels.cpu.backend import CPUBackend
+
+__all__ = ["CPUBackend"]

@@ -1,0 +1,123 @@
+"""numpy implementation of the kernels interface (float32 throughout)."""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels import AttentionMetadata
+from kernels.cpu import attention
+
+
+class CPUBackend:
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    # --- arrays -----------------------------------------------------------
+    def asarray(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def to_numpy(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x)
+
+    # --- linear algebra ------------------------------------------------------
+    def prepare_weight(self, w: np.ndarray) -> np.ndarray:
+        # Kept [out, in] and multiplied as x @ w.T: BLAS reads the transpose in
+        # place, and a single-row gemv over [out, in] streams memory linearly.
+        return np.ascontiguousarray(w, dtype=np.float32)
+
+    def matmul(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x @ w.T
+
+    def embedding(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return table[ids]
+
+    # --- element-wise ----------------------------------------------------------
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        ms = np.einsum("...i,...i->...", x, x)[..., None]
+        ms *= 1.0 / x.shape[-1]
+        ms += eps
+        np.sqrt(ms, out=ms)
+        out = x / ms
+        out *= weight
+        return out
+
+    def _rope_table(self, base: float, n_dims: int, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (float(base), n_dims)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] <= max_pos:
+            size = max(4096, 1 << int(max_pos).bit_length())
+            inv_freq = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)
+            angles = np.arange(size, dtype=np.float64)[:, None] * inv_freq[None, :]
+            table = (np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+            self._rope_tables[key] = table
+        return table
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> np.ndarray:
+        cos_t, sin_t = self._rope_table(base, n_dims, int(positions.max(initial=0)))
+        cos = cos_t[positions][:, None, :]
+        sin = sin_t[positions][:, None, :]
+        if neox:
+            half = n_dims // 2
+            x0, x1 = x[..., :half], x[..., half:n_dims]
+        else:
+            x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        r0 = x0 * cos - x1 * sin
+        r1 = x0 * sin + x1 * cos
+        out = x.copy() if n_dims < x.shape[-1] else np.empty_like(x)
+        if neox:
+            out[..., :half], out[..., half:n_dims] = r0, r1
+        else:
+            out[..., 0:n_dims:2], out[..., 1:n_dims:2] = r0, r1
+        return out
+
+    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        # silu(g) * u = g * u / (1 + exp(-g))
+        denom = np.negative(gate)
+        np.exp(denom, out=denom)
+        denom += 1.0
+        out = gate * up
+        out /= denom
+        return out
+
+    def gelu_tanh_gate(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        # 0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3))) * u
+        inner = gate * gate
+        inner *= 0.044715 * 0.7978845608028654
+        inner += 0.7978845608028654
+        inner *= gate
+        np.tanh(inner, out=inner)
+        inner += 1.0
+        inner *= gate
+        inner *= up
+        inner *= 0.5
+        return inner
+
+    def log_softmax(self, x: np.ndarray) -> np.ndarray:
+        m = x.max(axis=-1, keepdims=True)
+        shifted = x - m
+        lse = np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+        shifted -= lse
+        return shifted
+
+    def top_k(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        k = min(k, x.shape[-1])
+        idx = np.argpartition(-x, k - 1, axis=-1)[..., :k]
+        vals = np.take_along_axis(x, idx, axis=-1)
+        order = np.argsort(-vals, axis=-1, kind="stable")
+        return np.take_along_axis(idx, order, axis=-1), np.take_along_axis(vals, order, axis=-1)
+
+    # --- KV cache and attention ------------------------------------------------
+    def alloc_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+    def store_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 slot_mapping: np.ndarray) -> None:
+        n_slots = k_cache.shape[0] * k_cache.shape[1]
+        k_cache.reshape(n_slots, *k_cache.shape[2:])[slot_mapping] = k
+        v_cache.reshape(n_slots, *v_cache.shape[2:])[slot_mapping] = v
+
+    def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                        meta: AttentionMetadata, scale: float, window: int = 0) -> np.ndarray:
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window)

@@ -1,0 +1,126 @@
+"""The engine loop: each step packs running decodes and prefill chunks under a token
+budget, sends one StepRequest to the worker and folds the sampled tokens back in."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from scheduler.block_manager import BlockManager
+from scheduler.sequence import Sequence, Status
+from shared.step import SeqChunk, StepRequest, StepResult
+
+Executor = Callable[[StepRequest], StepResult]
+
+
+class Engine:
+    def __init__(self, executor: Executor, num_blocks: int, block_size: int, max_context: int,
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64):
+        self.executor = executor
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.max_context = max_context
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._finished_ids: list[int] = []
+
+    def add(self, seq: Sequence) -> None:
+        limit = self.max_context
+        if seq.num_tokens + (0 if seq.score_top_k else 1) > limit:
+            raise ValueError(f"prompt has {seq.num_tokens} tokens but the context holds {limit}")
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> None:
+        for seq in list(self.waiting) + self.running:
+            if seq.seq_id == seq_id:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        budget = self.max_num_batched_tokens
+        plan: list[tuple[Sequence, int]] = []
+        for seq in self.running:                       # decodes first: they keep latency low
+            if seq.num_computed == seq.num_tokens - 1 and budget > 0:
+                plan.append((seq, 1))
+                budget -= 1
+        for seq in self.running:                       # then unfinished prefills
+            remaining = seq.num_tokens - seq.num_computed
+            if remaining > 1 or (remaining == 1 and seq.num_computed < len(seq.prompt)):
+                if budget <= 0:
+                    break
+                n = min(remaining, budget)
+                plan.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens, budget)
+            if not self.blocks.can_grow(seq.block_table, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            plan.append((seq, n))
+            budget -= n
+        for seq, n in plan:
+            self.blocks.grow(seq.block_table, seq.num_computed + n)
+        return plan
+
+    def step(self) -> list[Sequence]:
+        """Run one iteration; returns the sequences that made progress visible to clients."""
+        plan = self._schedule()
+        if not plan:
+            if self.running or self.waiting:
+                raise RuntimeError("no sequence could be scheduled: the KV pool is too small for the waiting prompt")
+            return []
+        chunks = []
+        for seq, n in plan:
+            start = seq.num_computed
+            done_prompt = start + n >= len(seq.prompt)
+            chunks.append(SeqChunk(
+                seq_id=seq.seq_id,
+                token_ids=np.asarray(seq.tokens[start:start + n], np.int64),
+                start_pos=start,
+                block_table=np.asarray(seq.block_table, np.int32),
+                prompt_len=len(seq.prompt),
+                sample=done_prompt and start + n == seq.num_tokens and seq.params.max_tokens > 0
+                and not seq.score_top_k,
+                params=seq.params,
+                score_top_k=seq.score_top_k,
+            ))
+        result = self.executor(StepRequest(chunks, finished=self._finished_ids))
+        self._finished_ids = []
+        by_id = {r.seq_id: r for r in result.results}
+        progressed = []
+        for (seq, n), chunk in zip(plan, chunks):
+            seq.num_computed += n
+            r = by_id[seq.seq_id]
+            if r.score_ids is not None:
+                seq.prompt_scores.extend(zip(r.score_ids, r.score_logprobs))
+                if seq.num_computed == seq.num_tokens:
+                    seq.finish_reason = "scored"
+            if chunk.sample:
+                seq.append(r.token_id)
+                seq.logprobs.append(r.logprob)
+                seq.top_logprobs.append((r.top_ids, r.top_logprobs))
+                if seq.finish_reason is None and seq.num_tokens >= self.max_context:
+                    seq.finish_reason = "length"
+            if chunk.sample or seq.finish_reason:
+                progressed.append(seq)
+            if seq.finish_reason:
+                self._finish(seq)
+        return progressed
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = Status.FINISHED
+        self.blocks.free(seq.block_table)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finished_ids.append(seq.seq_id)

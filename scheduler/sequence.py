@@ -1,0 +1,49 @@
+"""A request's life in the scheduler: prompt, generated tokens, KV block table, status."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shared.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int] = frozenset()
+    score_top_k: int = 0                      # > 0: also return top-k logprobs of every prompt position
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple] = field(default_factory=list)
+    prompt_scores: list[tuple] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0                      # tokens whose K/V is in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def append(self, token: int) -> None:
+        self.output.append(token)
+        p = self.params
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            self.finish_reason = "stop"
+        elif len(self.output) >= p.max_tokens:
+            self.finish_reason = "length"

@@ -1,0 +1,47 @@
+"""The step contract between scheduler and worker: one packed batch per engine iteration.
+
+These dataclasses are what the scheduler builds and the worker executes; the
+gRPC layer (protos/) carries them between processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class SeqChunk:
+    seq_id: int
+    token_ids: np.ndarray          # tokens computed this step (a prefill chunk or one decode token)
+    start_pos: int                 # position of token_ids[0]
+    block_table: np.ndarray        # KV blocks holding positions [0, start_pos + len(token_ids))
+    prompt_len: int                # tokens of the sequence that are prompt (for penalties)
+    sample: bool = True            # draw the next token after this chunk
+    params: SamplingParams | None = None   # needed whenever sample is True
+    score_top_k: int = 0           # > 0: top-k logprobs at every position of the chunk (scoring, echo)
+
+
+@dataclass
+class StepRequest:
+    chunks: list[SeqChunk]
+    finished: list[int] = field(default_factory=list)   # seq ids whose worker-side state may be dropped
+
+
+@dataclass
+class SeqResult:
+    seq_id: int
+    token_id: int = -1             # -1 when the chunk did not sample
+    logprob: float = 0.0
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    score_ids: np.ndarray | None = None        # [len(chunk), k] when score_top_k > 0
+    score_logprobs: np.ndarray | None = None
+
+
+@dataclass
+class StepResult:
+    results: list[SeqResult]
+    tokens_computed: int = 0

@@ -1,0 +1,78 @@
+"""The in-process engine: tokenizer + scheduler engine loop + model runner in one process.
+
+Used by the CLI (`generate`, `score`), the tests and benchmarks; the served
+stack splits the same pieces across processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from scheduler.engine import Engine
+from scheduler.sequence import Sequence
+from shared.model_registry import resolve_model
+from shared.sampling_params import SamplingParams
+from worker.model_runner import DEFAULT_KV_MEMORY, ModelRunner
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+class LocalEngine:
+    def __init__(self, model: str | Path, kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = 16,
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64, load_tokenizer: bool = True):
+        self.path = resolve_model(str(model))
+        self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size)
+        cap = self.runner.capacity
+        self.engine = Engine(self.runner.execute, cap.num_blocks, cap.block_size, cap.max_context,
+                             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        self.tokenizer = None
+        if load_tokenizer:
+            from router.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer.from_metadata(self.runner.gguf.metadata)
+
+    @property
+    def config(self):
+        return self.runner.config
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.tokenizer.eos_ids if self.tokenizer is not None else frozenset()
+
+    def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        """Generate for one prompt, yielding each token as it is sampled."""
+        params.validate()
+        seq = Sequence(list(prompt), params, eos_ids=self.eos_ids)
+        self.engine.add(seq)
+        emitted = 0
+        while seq.finish_reason is None:
+            self.engine.step()
+            while emitted < len(seq.output):
+                yield seq.output[emitted]
+                emitted += 1
+        self.last_finish_reason = seq.finish_reason
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Generate for several prompts at once, batched together."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [Sequence(list(p), sp, eos_ids=self.eos_ids) for p, sp in zip(prompts, plist)]
+        for s in seqs:
+            s.params.validate()
+            self.engine.add(s)
+        while any(s.finish_reason is None for s in seqs):
+            self.engine.step()
+        return [Completion(s.output, s.logprobs, s.finish_reason) for s in seqs]
+
+    def score(self, tokens: list[int], top_k: int = 8) -> list[dict]:
+        """Teacher-forced top-k log-probabilities after each prefix tokens[0..i]."""
+        seq = Sequence(list(tokens), SamplingParams(max_tokens=1, temperature=0.0), score_top_k=top_k)
+        self.engine.add(seq)
+        while seq.finish_reason is None:
+            self.engine.step()
+        return [{"top_ids": [int(i) for i in ids], "top_logprobs": [float(v) for v in lps]}
+                for ids, lps in seq.prompt_scores]

@@ -1,0 +1,59 @@
+"""The physical KV cache of one worker: per layer, K and V block arrays sized from a memory budget."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kernels import Backend
+from shared.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+BYTES_PER_ELEMENT = 4  # float32 K/V
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    num_blocks: int
+    block_size: int
+    max_context: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def bytes_per_block(config: ModelConfig, block_size: int) -> int:
+    return 2 * config.n_layers * block_size * config.n_kv_heads * config.head_dim * BYTES_PER_ELEMENT
+
+
+def plan_capacity(config: ModelConfig, memory_bytes: int, block_size: int = 16,
+                  max_context: int | None = None) -> KVCapacity:
+    per_block = bytes_per_block(config, block_size)
+    num_blocks = memory_bytes // per_block
+    context = min(config.context_length, num_blocks * block_size)
+    if max_context is not None:
+        if max_context > config.context_length:
+            raise ValueError(f"--max-context {max_context} exceeds the model's trained context "
+                             f"{config.context_length}")
+        need = -(-max_context // block_size)
+        if need > num_blocks:
+            raise ValueError(f"--max-context {max_context} needs {need} KV blocks "
+                             f"({need * per_block / 2**20:.0f} MiB) but the KV memory budget of "
+                             f"{memory_bytes / 2**20:.0f} MiB holds {num_blocks}; raise --kv-memory or "
+                             "lower --max-context")
+        context = max_context
+    if num_blocks < 1:
+        raise ValueError(f"KV memory budget {memory_bytes} bytes is smaller than one block "
+                         f"({per_block} bytes); raise --kv-memory")
+    cap = KVCapacity(int(num_blocks), block_size, int(context))
+    log.info("KV cache: %d blocks x %d tokens (%.1f MiB), max context %d",
+             cap.num_blocks, block_size, cap.num_blocks * per_block / 2**20, cap.max_context)
+    return cap
+
+
+class KVPool:
+    def __init__(self, config: ModelConfig, capacity: KVCapacity, ops: Backend):
+        self.capacity = capacity
+        self.caches = [ops.alloc_kv(capacity.num_blocks, capacity.block_size, config.n_kv_heads, config.head_dim)
+                       for _ in range(config.n_layers)]

@@ -1,0 +1,147 @@
+"""Runs steps on one device: weights, KV pool, the packed forward and sampling.
+
+The runner executes exactly what a StepRequest says; which sequences run, and
+where their K/V lives, is decided by the caller (the scheduler).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kernels import AttentionMetadata, get_backend
+from shared.gguf_file import GGUFFile
+from shared.model_config import ModelConfig
+from shared.sampling_params import SamplingParams
+from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
+from worker.kv_pool import KVPool, plan_capacity
+from worker.models import ForwardInput, model_class
+from worker.sampling import Sampler, make_generator
+from worker.weights import WeightLoader
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_MEMORY = 512 * 2**20
+LOGITS_ROWS_PER_SLICE = 64   # bounds the [rows, vocab] logits buffer when scoring long prompts
+
+
+@dataclass
+class _SeqState:
+    """What the worker remembers of a sequence between steps: its tokens (for penalties) and RNG."""
+    tokens: list[int]
+    prompt_len: int
+    generator: np.random.Generator | None = None
+    params: SamplingParams | None = field(default=None)
+
+
+class ModelRunner:
+    def __init__(self, model_path: str | Path, backend: str = "cpu", kv_memory: int = DEFAULT_KV_MEMORY,
+                 block_size: int = 16, max_context: int | None = None):
+        t0 = time.perf_counter()
+        self.gguf = GGUFFile(model_path)
+        self.config = ModelConfig.from_gguf(self.gguf)
+        cls = model_class(self.config.architecture, self.gguf.path)
+        self.ops = get_backend(backend)
+        self.model = cls(self.config, WeightLoader(self.gguf, self.ops), self.ops)
+        self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context)
+        self.kv = KVPool(self.config, self.capacity, self.ops)
+        self.model.bind_kv(self.kv.caches)
+        self.sampler = Sampler()
+        self._seqs: dict[int, _SeqState] = {}
+        self.tokens_computed = 0
+        log.info("loaded %s (%s, %d layers) in %.1fs", self.gguf.path.name, self.config.architecture,
+                 self.config.n_layers, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------
+    def execute(self, request: StepRequest) -> StepResult:
+        for seq_id in request.finished:
+            self._seqs.pop(seq_id, None)
+        chunks = request.chunks
+        if not chunks:
+            return StepResult([], 0)
+        inp, score_rows = self._pack(chunks)
+        hidden = self.model.forward(inp)
+        results = [SeqResult(c.seq_id) for c in chunks]
+
+        # rows of `hidden`: per chunk either its last token, or all of its tokens when scoring
+        offset = 0
+        sample_idx, sample_rows = [], []
+        for i, c in enumerate(chunks):
+            n_rows = len(c.token_ids) if c.score_top_k else 1
+            if c.score_top_k:
+                ids, lps = self._score(hidden[offset:offset + n_rows], c.score_top_k)
+                results[i].score_ids, results[i].score_logprobs = ids, lps
+            if c.sample:
+                sample_idx.append(i)
+                sample_rows.append(offset + n_rows - 1)
+            offset += n_rows
+        if sample_idx:
+            self._sample([chunks[i] for i in sample_idx], hidden[np.array(sample_rows)],
+                         [results[i] for i in sample_idx])
+        self.tokens_computed += len(inp.token_ids)
+        return StepResult(results, len(inp.token_ids))
+
+    def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
+        bs = self.capacity.block_size
+        token_ids = np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])
+        positions = np.concatenate([np.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in chunks])
+        query_lens = np.array([len(c.token_ids) for c in chunks], np.int64)
+        context_lens = np.array([c.start_pos + len(c.token_ids) for c in chunks], np.int64)
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables = np.zeros((len(chunks), max_blocks), np.int32)
+        for i, c in enumerate(chunks):
+            needed = -(-int(context_lens[i]) // bs)
+            if len(c.block_table) < needed:
+                raise ValueError(f"sequence {c.seq_id}: block table has {len(c.block_table)} blocks, "
+                                 f"{needed} needed for {context_lens[i]} tokens")
+            tables[i, :len(c.block_table)] = c.block_table
+        seq_index = np.repeat(np.arange(len(chunks)), query_lens)
+        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+        starts = np.cumsum(query_lens) - query_lens
+        output_rows = np.concatenate([
+            np.arange(s, s + q) if c.score_top_k else np.array([s + q - 1])
+            for c, s, q in zip(chunks, starts, query_lens)])
+        for c in chunks:
+            self._remember(c)
+        meta = AttentionMetadata(query_lens, context_lens, tables, slots, causal=self.config.causal)
+        return ForwardInput(token_ids, positions, meta, output_rows), output_rows
+
+    def _remember(self, c: SeqChunk) -> None:
+        state = self._seqs.get(c.seq_id)
+        if state is None:
+            state = _SeqState(tokens=[], prompt_len=c.prompt_len)
+            self._seqs[c.seq_id] = state
+        if c.params is not None and state.params is None:
+            state.params = c.params
+            state.generator = make_generator(c.params.seed)
+        del state.tokens[c.start_pos:]
+        state.tokens.extend(int(t) for t in c.token_ids)
+        state.prompt_len = c.prompt_len
+
+    def _sample(self, chunks: list[SeqChunk], hidden: np.ndarray, results: list[SeqResult]) -> None:
+        logits = self.ops.to_numpy(self.model.logits(hidden))
+        states = [self._seqs[c.seq_id] for c in chunks]
+        params = []
+        for c, s in zip(chunks, states):
+            if s.params is None:
+                raise ValueError(f"sequence {c.seq_id} asks for a token but no sampling parameters were sent")
+            params.append(s.params)
+        out = self.sampler.sample(logits, params,
+                                  [s.tokens[:s.prompt_len] for s in states],
+                                  [s.tokens[s.prompt_len:] for s in states],
+                                  [s.generator for s in states])
+        for i, r in enumerate(results):
+            r.token_id, r.logprob = int(out.token_ids[i]), float(out.logprobs[i])
+            r.top_ids, r.top_logprobs = out.top_ids[i], out.top_logprobs[i]
+
+    def _score(self, hidden: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, lps = [], []
+        for s in range(0, hidden.shape[0], LOGITS_ROWS_PER_SLICE):
+            logprobs = self.ops.log_softmax(self.model.logits(hidden[s:s + LOGITS_ROWS_PER_SLICE]))
+            i, v = self.ops.top_k(logprobs, k)
+            ids.append(i)
+            lps.append(v)
+        return np.concatenate(ids), np.concatenate(lps)

@@ -1,0 +1,25 @@
+"""Architecture registry: GGUF general.architecture -> model class."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.errors import GGUFError
+from worker.models.base import ForwardInput, Model
+from worker.models.gemma3 import Gemma3Model
+from worker.models.llama import LlamaModel
+
+ARCHITECTURES: dict[str, type[Model]] = {
+    "llama": LlamaModel,
+    "gemma3": Gemma3Model,
+}
+
+
+def model_class(architecture: str, path: str | Path) -> type[Model]:
+    cls = ARCHITECTURES.get(architecture)
+    if cls is None:
+        raise GGUFError(path, f"unsupported architecture {architecture!r} "
+                              f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return cls
+
+
+__all__ = ["ARCHITECTURES", "ForwardInput", "Model", "model_class"]
