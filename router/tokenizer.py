@@ -15,7 +15,7 @@ llama_vocab::impl::load, including its detection of special tokens by text.
 """
 from __future__ import annotations
 
-import re
+import bisect
 from typing import Any, Iterable, Mapping
 
 from router import vocab_backends
@@ -76,28 +76,6 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
 _GPT2_BYTES = _gpt2_unicode_to_byte()
 
 
-def _longest_match_regex(texts: Iterable[str]) -> re.Pattern[str]:
-    """A regex whose lookahead finds, at each position, the longest of `texts` starting there.
-
-    Built as a trie so matching costs the same for 10 or 10,000 special tokens.
-    """
-    trie: dict[str, Any] = {}
-    for text in texts:
-        node = trie
-        for ch in text:
-            node = node.setdefault(ch, {})
-        node[""] = {}
-
-    def emit(node: dict[str, Any]) -> str:
-        alts = [re.escape(ch) + emit(child) for ch, child in node.items() if ch]
-        if not alts:
-            return ""
-        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
-        return f"(?:{body})?" if "" in node else body  # greedy: longer first
-
-    return re.compile(f"(?=({emit(trie)}))", re.DOTALL)
-
-
 class _SpecialMatcher:
     """llama.cpp's tokenizer_st_partition over one set of special tokens."""
 
@@ -106,37 +84,47 @@ class _SpecialMatcher:
         self._ids = {tokens[i]: i for i in ids}
         # llama.cpp sorts by byte length, longest first (ties: unspecified; here by id)
         self._rank = {i: r for r, i in enumerate(sorted(ids, key=lambda i: (-len(tokens[i].encode()), i)))}
-        self._regex: re.Pattern[str] | None = None
+        # `head in text` rules out whole groups (Gemma's 6000 "<unused...>") at C speed
+        groups: dict[str, list[str]] = {}
+        for text in self._ids:
+            groups.setdefault(text[:4], []).append(text)
+        self._groups = list(groups.items())
 
     def partition(self, text: str) -> list[str | int]:
+        """The text as raw-text pieces and special token ids, in order."""
         if not self._ids:
             return [text]
-        if self._regex is None:
-            self._regex = _longest_match_regex(self._ids)
-        found: set[str] = set()
-        for m in self._regex.finditer(text):
-            longest = m.group(1)
-            found.add(longest)
-            # a shorter special token that is a prefix of the longest one can
-            # still win where a longer token takes the longest one's place
-            found.update(longest[:k] for k in range(1, len(longest)) if longest[:k] in self._ids)
+        found = [t for head, group in self._groups if head in text for t in group if t in text]
         if not found:
             return [text]
-        fragments: list[str | int] = [text]
+        # llama.cpp splits every remaining raw fragment at each occurrence of one
+        # token, then moves on to the next token. The same result, as claimed
+        # intervals: an occurrence is taken if it lies in unclaimed text and does
+        # not overlap the previous occurrence taken for the same token.
+        starts: list[int] = []
+        claimed: list[tuple[int, int, int]] = []
         for tid in sorted((self._ids[t] for t in found), key=self._rank.__getitem__):
             special = self._tokens[tid]
-            out: list[str | int] = []
-            for frag in fragments:
-                if isinstance(frag, int) or special not in frag:
-                    out.append(frag)
-                    continue
-                pieces = frag.split(special)
-                for k, piece in enumerate(pieces):
-                    if k:
-                        out.append(tid)
-                    if piece:
-                        out.append(piece)
-            fragments = out
+            size = len(special)
+            pos = text.find(special)
+            while pos >= 0:
+                end = pos + size
+                k = bisect.bisect_left(starts, end)
+                if k == 0 or claimed[k - 1][1] <= pos:
+                    starts.insert(k, pos)
+                    claimed.insert(k, (pos, end, tid))
+                    pos = text.find(special, end)
+                else:  # every start before that claim's end overlaps it too
+                    pos = text.find(special, claimed[k - 1][1])
+        fragments: list[str | int] = []
+        prev = 0
+        for pos, end, tid in claimed:
+            if pos > prev:
+                fragments.append(text[prev:pos])
+            fragments.append(tid)
+            prev = end
+        if prev < len(text):
+            fragments.append(text[prev:])
         return fragments
 
 

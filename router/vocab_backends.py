@@ -102,7 +102,11 @@ def build_spm_encoder(tokens: Sequence[str], scores: Sequence[float] | None,
     The caller escapes nothing: sentencepiece turns ' ' into '\u2581' itself.
     """
     import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+    except Exception as exc:  # protobuf missing, or older than the gencode sentencepiece ships
+        raise ImportError("building a SentencePiece vocabulary needs protobuf matching sentencepiece's "
+                          f"sentencepiece_model_pb2 (pip install 'protobuf>=7.36.1'): {exc}") from exc
 
     piece_type = pb.ModelProto.SentencePiece.Type
     normal, unknown, user_defined, byte = (piece_type.NORMAL, piece_type.UNKNOWN,

@@ -51,7 +51,7 @@ class TensorInfo:
         try:
             return GGMLQuantizationType(self.ggml_type).name
         except ValueError:
-            return f"type {self.ggml_type}"
+            return f"{self.ggml_type} (unknown GGML type)"
 
 
 class _Cursor:
@@ -121,6 +121,8 @@ class GGUFFile:
                 n_dims = cur.scalar("<I")
                 dims = [cur.scalar("<Q") for _ in range(n_dims)]
                 raw_infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
+        except GGUFError:   # already says what is wrong (a truncated header)
+            raise
         except (ValueError, KeyError) as exc:
             raise GGUFError(self.path, f"corrupt header ({exc})") from None
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))

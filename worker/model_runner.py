@@ -42,8 +42,9 @@ class ModelRunner:
                  block_size: int = 16, max_context: int | None = None):
         t0 = time.perf_counter()
         self.gguf = GGUFFile(model_path)
+        # the architecture first: another architecture's file lacks the metadata keys a config reads
+        cls = model_class(self.gguf.architecture, self.gguf.path)
         self.config = ModelConfig.from_gguf(self.gguf)
-        cls = model_class(self.config.architecture, self.gguf.path)
         self.ops = get_backend(backend)
         self.model = cls(self.config, WeightLoader(self.gguf, self.ops), self.ops)
         self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context)
@@ -83,6 +84,12 @@ class ModelRunner:
                          [results[i] for i in sample_idx])
         self.tokens_computed += len(inp.token_ids)
         return StepResult(results, len(inp.token_ids))
+
+    def forward_logits(self, chunks: list[SeqChunk]) -> np.ndarray:
+        """Raw logits of the rows a step would read (each chunk's last token, or all of its tokens
+        when score_top_k is set), without sampling: for tests and debugging."""
+        inp, _ = self._pack(chunks)
+        return self.ops.to_numpy(self.model.logits(self.model.forward(inp)))
 
     def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
         bs = self.capacity.block_size

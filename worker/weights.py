@@ -28,8 +28,8 @@ class WeightLoader:
                                             "from the model's metadata")
         if t.ggml_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(_type_name(x) for x in SUPPORTED_TYPES))
-            raise UnsupportedTensorType(self.gguf.path, f"tensor {name!r} has unsupported type {t.type_name} "
-                                                        f"(supported: {supported}); re-quantize the model to one of them")
+            raise UnsupportedTensorType(self.gguf.path, f"tensor {name!r} has unsupported type {t.type_name}; "
+                                                        f"supported: {supported}; re-quantize the model to one of them")
         return t
 
     def float32(self, name: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -72,9 +72,10 @@ class CPUBackend:
         return out
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        # silu(g) * u = g * u / (1 + exp(-g))
+        # silu(g) * u = g * u / (1 + exp(-g)); exp overflows to inf for g < -88, which gives the right 0
         denom = np.negative(gate)
-        np.exp(denom, out=denom)
+        with np.errstate(over="ignore"):
+            np.exp(denom, out=denom)
         denom += 1.0
         out = gate * up
         out /= denom

@@ -16,6 +16,9 @@ ARCHITECTURES: dict[str, type[Model]] = {
 
 def model_class(architecture: str, path: str | Path) -> type[Model]:
     cls = ARCHITECTURES.get(architecture)
+    if not architecture:
+        raise GGUFError(path, f"metadata has no general.architecture "
+                              f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     if cls is None:
         raise GGUFError(path, f"unsupported architecture {architecture!r} "
                               f"(supported: {', '.join(sorted(ARCHITECTURES))})")

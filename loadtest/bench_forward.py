@@ -1,0 +1,164 @@
+"""Forward-pass benchmark of the in-process engine on the bundled models.
+
+Prints, per model: prefill tok/s (one 512-token prompt), single-sequence decode
+tok/s, decode tok/s with 32 sequences in one batch, the memory-bandwidth bound
+on single-sequence decode (float32 weight bytes read per token over the
+bandwidth measured here), and peak resident memory. Each model runs in its own
+subprocess so peak memory is its own. With --peer-python (a venv that has
+llama-cpp-python) it runs loadtest/peer_llamacpp.py on the same GGUF files in
+the same run and prints the ratios.
+
+    python loadtest/bench_forward.py [--models smollm2-135m gemma3-270m] [--json]
+                                     [--peer-python /path/to/peer-venv/bin/python]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT_TOKENS = 512
+DECODE_TOKENS = 64
+BATCH = 32
+BATCH_STEPS = 32
+
+
+def measure_bandwidth_gbs() -> float:
+    """Read bandwidth as a decode step sees it: one row times a 1 GiB float32 matrix."""
+    w = np.ones((16384, 16384), np.float32)
+    x = np.ones((1, 16384), np.float32)
+    x @ w.T
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x @ w.T
+        best = min(best, time.perf_counter() - t)
+    return w.nbytes / best / 1e9
+
+
+def weight_bytes_per_token(model) -> int:
+    """float32 bytes a single-token decode reads: every layer matrix and vector, plus the output matrix."""
+    total = 0
+    for layer in model.layers:
+        total += sum(v.nbytes for v in vars(layer).values() if isinstance(v, np.ndarray))
+    return total + model.output.nbytes + model.output_norm.nbytes
+
+
+def bench_model(name: str) -> dict:
+    from shared.sampling_params import SamplingParams
+    from tensorserve.local import LocalEngine
+
+    engine = LocalEngine(name, load_tokenizer=False, max_num_batched_tokens=PROMPT_TOKENS, max_num_seqs=BATCH)
+    vocab = engine.config.vocab_size
+    rng = np.random.default_rng(0)
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+
+    # prefill: a 512-token prompt in one forward (and its first token)
+    prefill_s = []
+    for _ in range(3):
+        prompt = rng.integers(1000, vocab - 1000, PROMPT_TOKENS).tolist()
+        t = time.perf_counter()
+        engine.generate([prompt], greedy(1))
+        prefill_s.append(time.perf_counter() - t)
+
+    # single-sequence decode: time the steps after the prefill
+    def decode_rate(n_seqs: int, n_steps: int) -> float:
+        from scheduler.sequence import Sequence
+        seqs = [Sequence(rng.integers(1000, vocab - 1000, 16).tolist(), greedy(n_steps + 1)) for _ in range(n_seqs)]
+        for s in seqs:
+            engine.engine.add(s)
+        while any(len(s.output) == 0 for s in seqs):      # prefill (and first token) untimed
+            engine.engine.step()
+        t = time.perf_counter()
+        steps = 0
+        while engine.engine.has_work():
+            engine.engine.step()
+            steps += 1
+        return steps * n_seqs / (time.perf_counter() - t)
+
+    decode_rate(1, 4)  # warm-up
+    decode = decode_rate(1, DECODE_TOKENS)
+    batch = decode_rate(BATCH, BATCH_STEPS)
+    weights = weight_bytes_per_token(engine.runner.model)
+    return {
+        "prefill_tok_s": PROMPT_TOKENS / min(prefill_s),
+        "decode_tok_s": decode,
+        "batch32_decode_tok_s": batch,
+        "weight_bytes_per_token": weights,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def run_peer(peer_python: str, name: str) -> dict | None:
+    from shared.model_registry import resolve_model
+    cmd = [peer_python, str(ROOT / "loadtest" / "peer_llamacpp.py"), "--model", str(resolve_model(name)),
+           "--threads", "2", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"peer run failed for {name}: {proc.stderr.strip()[-500:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--peer-python", default=os.environ.get("TS_PEER_PYTHON"),
+                    help="python of a venv with llama-cpp-python, to run the peer side by side [env TS_PEER_PYTHON]")
+    ap.add_argument("--one", help=argparse.SUPPRESS)   # internal: bench one model in this process
+    args = ap.parse_args()
+
+    if args.one:
+        print(json.dumps(bench_model(args.one)))
+        return 0
+
+    bandwidth = measure_bandwidth_gbs()
+    results: dict[str, float] = {"memory_bandwidth_gbs": bandwidth}
+    rows = []
+    for name in args.models:
+        proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stderr, file=sys.stderr)
+            return 1
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r["decode_bound_tok_s"] = bandwidth * 1e9 / r.pop("weight_bytes_per_token")
+        peer = run_peer(args.peer_python, name) if args.peer_python else None
+        for key, value in r.items():
+            results[f"{name}.{key}"] = value
+        for key, value in (peer or {}).items():
+            results[f"{name}.peer_{key}"] = value
+        rows.append((name, r, peer))
+
+    if args.json:
+        print(json.dumps(results, indent=None))
+        return 0
+    print(f"memory bandwidth (1 x 16384 @ 16384 x 16384 float32): {bandwidth:.1f} GB/s")
+    head = f"{'model':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'bound tok/s':>12} {'of bound':>9} " \
+           f"{'32-seq tok/s':>13} {'peak RSS MiB':>13}"
+    print(head)
+    for name, r, peer in rows:
+        print(f"{name:<14} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} {r['decode_bound_tok_s']:>12.1f} "
+              f"{r['decode_tok_s'] / r['decode_bound_tok_s']:>9.2f} {r['batch32_decode_tok_s']:>13.1f} "
+              f"{r['peak_rss_mib']:>13.0f}")
+        if peer:
+            print(f"{'  llama.cpp':<14} {peer['prefill_tok_s']:>14.1f} {peer['decode_tok_s']:>13.1f} {'':>12} {'':>9} "
+                  f"{peer.get('batch32_decode_tok_s', float('nan')):>13.1f} {peer['peak_rss_mib']:>13.0f}")
+            print(f"{'  ratio':<14} {r['prefill_tok_s'] / peer['prefill_tok_s']:>14.2f} "
+                  f"{r['decode_tok_s'] / peer['decode_tok_s']:>13.2f} {'':>12} {'':>9} "
+                  f"{r['batch32_decode_tok_s'] / peer.get('batch32_decode_tok_s', float('nan')):>13.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

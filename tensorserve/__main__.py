@@ -1,0 +1,3 @@
+from tensorserve.cli import main
+import sys
+sys.exit(main())

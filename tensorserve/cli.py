@@ -1,0 +1,137 @@
+"""`tensorserve` command: a thin dispatcher over the router, scheduler and worker packages."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _env(name: str, default=None):
+    return os.environ.get(name, default)
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=_env("TS_MODEL", "smollm2-135m"),
+                   help="bundled model name (see `tensorserve models`) or path to a GGUF file "
+                        "[env TS_MODEL, default smollm2-135m]")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from shared.model_registry import BUNDLED, cache_dir
+    print(f"{'name':<16} {'package':<28} description")
+    for m in BUNDLED.values():
+        print(f"{m.name:<16} {m.package:<28} {m.description}")
+    print(f"\nAny path to a GGUF file works wherever a model is taken. Assembled models are cached in {cache_dir()}.")
+    return 0
+
+
+def _load_tokenizer(model: str):
+    from router.tokenizer import Tokenizer
+    from shared.gguf_file import GGUFFile
+    from shared.model_registry import resolve_model
+    gguf = GGUFFile(resolve_model(model))
+    return Tokenizer.from_metadata(gguf.metadata), gguf
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    tokenizer, _ = _load_tokenizer(args.model)
+    text = sys.stdin.read()
+    print(json.dumps(tokenizer.encode(text, add_special=args.add_special, parse_special=args.parse_special)))
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from tensorserve.local import LocalEngine
+    tokens = json.loads(Path(args.tokens_json).read_text())
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise SystemExit(f"{args.tokens_json}: expected a JSON list of token ids")
+    engine = LocalEngine(args.model, load_tokenizer=False)
+    vocab = engine.config.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise SystemExit(f"{args.tokens_json}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    json.dump(engine.score(tokens, args.top_k), sys.stdout)
+    print()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from router.chat_template import ChatTemplate
+    from router.detokenizer import IncrementalDetokenizer
+    from shared.sampling_params import SamplingParams
+    from tensorserve.local import LocalEngine
+
+    engine = LocalEngine(args.model)
+    tokenizer = engine.tokenizer
+    if args.chat:
+        template = ChatTemplate.from_metadata(engine.runner.gguf.metadata, tokenizer)
+        text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt = tokenizer.encode(text, add_special=False, parse_special=True)
+    else:
+        prompt = tokenizer.encode(args.prompt, add_special=True, parse_special=False)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    detok = IncrementalDetokenizer(tokenizer)
+    for token in engine.stream(prompt, params):
+        sys.stdout.write(detok.feed(token))
+        sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tensorserve", description="Serve GGUF language models.")
+    parser.add_argument("--log-level", default=_env("TS_LOG_LEVEL", "WARNING"),
+                        help="logging level [env TS_LOG_LEVEL, default WARNING]")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("models", help="list the bundled models")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("generate", help="generate text in-process, streamed to stdout")
+    _add_model_arg(p)
+    p.add_argument("--prompt", "-p", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens, 0 = off (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("tokenize", help="read text on stdin, print its token ids as a JSON list")
+    _add_model_arg(p)
+    p.add_argument("--parse-special", action="store_true", help="turn special-token text (e.g. <|im_start|>) into its id")
+    p.add_argument("--add-special", action="store_true", help="add the model's BOS/EOS as llama.cpp does")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("score", help="teacher-forced top-k log-probabilities at every position of a token list")
+    _add_model_arg(p)
+    p.add_argument("--tokens-json", required=True, help="file holding a JSON list of token ids")
+    p.add_argument("--top-k", type=int, default=8, help="alternatives per position (default 8)")
+    p.set_defaults(func=cmd_score)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from shared.errors import TensorServeError
+    try:
+        return args.func(args)
+    except (TensorServeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+import json
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MODELS = ["smollm2-135m", "gemma3-270m"]
+
+
+def load_fixture(model: str) -> dict:
+    return json.loads((FIXTURES / f"{model}.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def engines():
+    """One in-process engine per bundled model, loaded on first use and shared by the session."""
+    from tensorserve.local import LocalEngine
+    cache: dict[str, LocalEngine] = {}
+
+    def get(model: str) -> "LocalEngine":
+        if model not in cache:
+            cache[model] = LocalEngine(model, load_tokenizer=False)
+        return cache[model]
+    return get

@@ -1,0 +1,411 @@
+"""kernels/cpu against plain reference implementations (loops, float64).
+
+The references follow llama.cpp's definitions: RMSNorm as ggml_rms_norm,
+RoPE as ggml_rope (LLAMA_ROPE_TYPE_NORM rotates adjacent pairs, NEOX the two
+halves of the first n_dims dims), attention as softmax(q.k * scale) v with
+query head h reading KV head h // (n_heads / n_kv_heads), and the sliding
+window rule of llama.cpp's KV cache: a query at position p sees keys k with
+p - window < k <= p.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import AttentionMetadata  # noqa: E402
+from kernels.cpu import CPUBackend  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture
+def ops() -> CPUBackend:
+    return CPUBackend()
+
+
+def close(actual, expected, rtol=RTOL, atol=ATOL):
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol, atol=atol)
+
+
+# --- references ----------------------------------------------------------------------------
+
+
+def ref_rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64).reshape(-1, x.shape[-1])
+    out = np.empty_like(x)
+    for r, row in enumerate(x):
+        mean_sq = sum(float(v) * float(v) for v in row) / len(row)
+        out[r] = row / math.sqrt(mean_sq + eps) * w
+    return out
+
+
+def ref_rope(x: np.ndarray, positions, base: float, n_dims: int, neox: bool) -> np.ndarray:
+    """ggml_rope_f32: theta_i = p * base^(-2i/n_dims) for pair i; dims >= n_dims pass through."""
+    out = x.astype(np.float64).copy()
+    n_tok, n_heads, _ = x.shape
+    for t in range(n_tok):
+        p = int(positions[t])
+        for h in range(n_heads):
+            for i in range(n_dims // 2):
+                theta = p * base ** (-2.0 * i / n_dims)
+                c, s = math.cos(theta), math.sin(theta)
+                a, b = (i, i + n_dims // 2) if neox else (2 * i, 2 * i + 1)
+                x0, x1 = float(x[t, h, a]), float(x[t, h, b])
+                out[t, h, a] = x0 * c - x1 * s
+                out[t, h, b] = x0 * s + x1 * c
+    return out
+
+
+def ref_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0,
+                  causal: bool = True) -> np.ndarray:
+    """q [n_q, H, d] are the last n_q positions of a context whose keys/values are k, v [ctx, KV, d]."""
+    n_q, n_heads, dim = q.shape
+    ctx, n_kv, _ = k.shape
+    group = n_heads // n_kv
+    out = np.zeros((n_q, n_heads, dim))
+    for i in range(n_q):
+        p = ctx - n_q + i
+        if causal:
+            visible = [j for j in range(ctx) if j <= p and (window <= 0 or j > p - window)]
+        else:
+            visible = list(range(ctx))
+        for h in range(n_heads):
+            kv = h // group
+            scores = [scale * float(np.dot(q[i, h].astype(np.float64), k[j, kv].astype(np.float64)))
+                      for j in visible]
+            m = max(scores)
+            weights = [math.exp(s - m) for s in scores]
+            total = sum(weights)
+            for wgt, j in zip(weights, visible):
+                out[i, h] += wgt / total * v[j, kv].astype(np.float64)
+    return out
+
+
+# --- paged-attention harness ----------------------------------------------------------------
+
+
+class Paged:
+    """Sequences with contiguous K/V, copied into a paged cache through shuffled block tables."""
+
+    def __init__(self, ops: CPUBackend, seqs: list[tuple[int, int]], n_heads: int, n_kv: int, dim: int,
+                 block_size: int = 4, shuffle: bool = True, causal: bool = True, seed: int = 0):
+        """seqs: (context_len, query_len) per sequence, in packing order."""
+        rng = np.random.default_rng(seed)
+        self.ops, self.seqs, self.causal = ops, seqs, causal
+        blocks_needed = [-(-ctx // block_size) for ctx, _ in seqs]
+        num_blocks = sum(blocks_needed) + 3            # spare blocks hold garbage that must never be read
+        physical = rng.permutation(num_blocks) if shuffle else np.arange(num_blocks)
+        self.k_cache, self.v_cache = ops.alloc_kv(num_blocks, block_size, n_kv, dim)
+        self.k_cache[:] = rng.standard_normal(self.k_cache.shape) * 100
+        self.v_cache[:] = rng.standard_normal(self.v_cache.shape) * 100
+        max_blocks = max(blocks_needed) + 1
+        tables = np.zeros((len(seqs), max_blocks), np.int32)
+        self.k, self.v, self.q, slots = [], [], [], []
+        used = 0
+        for i, (ctx, n_q) in enumerate(seqs):
+            table = physical[used:used + blocks_needed[i]]
+            used += blocks_needed[i]
+            tables[i, :len(table)] = table
+            k = rng.standard_normal((ctx, n_kv, dim)).astype(np.float32)
+            v = rng.standard_normal((ctx, n_kv, dim)).astype(np.float32)
+            pos = np.arange(ctx)
+            slot = table[pos // block_size].astype(np.int64) * block_size + pos % block_size
+            ops.store_kv(self.k_cache, self.v_cache, k, v, slot)
+            self.k.append(k)
+            self.v.append(v)
+            self.q.append(rng.standard_normal((n_q, n_heads, dim)).astype(np.float32))
+            slots.append(slot[ctx - n_q:])
+        self.meta = AttentionMetadata(np.array([n for _, n in seqs], np.int64),
+                                      np.array([c for c, _ in seqs], np.int64),
+                                      tables, np.concatenate(slots), causal=causal)
+
+    def run(self, scale: float, window: int = 0) -> list[np.ndarray]:
+        out = self.ops.paged_attention(np.concatenate(self.q), self.k_cache, self.v_cache, self.meta, scale, window)
+        assert out.dtype == np.float32 and out.shape == (sum(n for _, n in self.seqs),) + self.q[0].shape[1:]
+        return np.split(out, np.cumsum([n for _, n in self.seqs])[:-1])
+
+    def check(self, scale: float = 0.25, window: int = 0) -> None:
+        for i, got in enumerate(self.run(scale, window)):
+            close(got, ref_attention(self.q[i], self.k[i], self.v[i], scale, window, self.causal))
+
+
+# --- rms_norm ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (5, 48), (3, 4, 16)])
+def test_rms_norm(ops, shape):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    got = ops.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == np.float32
+    close(got, ref_rms_norm(x, w, 1e-6).reshape(shape))
+
+
+def test_rms_norm_eps_dominates_tiny_input(ops):
+    x = np.full((2, 8), 1e-4, np.float32)
+    w = np.ones(8, np.float32)
+    close(ops.rms_norm(x, w, 1e-2), ref_rms_norm(x, w, 1e-2))
+
+
+# --- rope -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("neox", [False, True], ids=["norm", "neox"])
+@pytest.mark.parametrize("head_dim, n_dims, base", [
+    (16, 16, 10000.0),
+    (64, 64, 1000000.0),
+    (32, 16, 10000.0),      # partial rotation: the last 16 dims pass through
+    (24, 8, 500.0),
+])
+def test_rope(ops, neox, head_dim, n_dims, base):
+    rng = np.random.default_rng(2)
+    positions = np.array([0, 1, 2, 7, 100, 2047, 4095, 4096, 9000], np.int64)
+    x = rng.standard_normal((len(positions), 3, head_dim)).astype(np.float32)
+    x_before = x.copy()
+    got = ops.rope(x, positions, base, n_dims, neox)
+    np.testing.assert_array_equal(x, x_before)   # the input is not modified
+    assert got.shape == x.shape and got.dtype == np.float32
+    close(got, ref_rope(x, positions, base, n_dims, neox), atol=1e-4)
+    np.testing.assert_array_equal(got[..., n_dims:], x[..., n_dims:])
+
+
+def test_rope_norm_and_neox_differ(ops):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    pos = np.array([3, 5])
+    assert not np.allclose(ops.rope(x, pos, 10000.0, 8, False), ops.rope(x, pos, 10000.0, 8, True))
+
+
+def test_rope_position_zero_is_identity_and_cache_keys(ops):
+    """Tables are cached per (base, n_dims): mixing bases and sizes on one backend must not mix tables."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 2, 32)).astype(np.float32)
+    pos = np.array([0, 3, 17, 200])
+    for base, n_dims, neox in [(10000.0, 32, False), (10.0, 32, False), (10000.0, 16, True), (10.0, 16, True),
+                               (10000.0, 32, False)]:
+        got = ops.rope(x, pos, base, n_dims, neox)
+        close(got, ref_rope(x, pos, base, n_dims, neox), atol=1e-4)
+        np.testing.assert_array_equal(got[0], x[0])
+
+
+def test_rope_preserves_pair_norms(ops):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 2, 16)).astype(np.float32)
+    got = ops.rope(x, np.arange(6) * 13, 10000.0, 16, False)
+    close(np.hypot(got[..., 0::2], got[..., 1::2]), np.hypot(x[..., 0::2], x[..., 1::2]))
+
+
+# --- paged attention ------------------------------------------------------------------------
+
+
+def test_store_kv_writes_slots(ops):
+    k_cache, v_cache = ops.alloc_kv(3, 4, 2, 8)
+    k = np.arange(3 * 2 * 8, dtype=np.float32).reshape(3, 2, 8)
+    slots = np.array([11, 0, 5])
+    ops.store_kv(k_cache, v_cache, k, -k, slots)
+    for i, s in enumerate(slots):
+        np.testing.assert_array_equal(k_cache[s // 4, s % 4], k[i])
+        np.testing.assert_array_equal(v_cache[s // 4, s % 4], -k[i])
+    assert np.count_nonzero(k_cache.reshape(12, -1).any(axis=1)) == 3
+
+
+@pytest.mark.parametrize("ctx", [1, 5, 16, 37])
+def test_single_prefill_matches_naive_causal(ops, ctx):
+    Paged(ops, [(ctx, ctx)], n_heads=4, n_kv=4, dim=16, block_size=16, shuffle=False).check(scale=0.25)
+
+
+def test_prefill_gqa(ops):
+    Paged(ops, [(29, 29)], n_heads=6, n_kv=2, dim=8, block_size=8).check(scale=1 / math.sqrt(8))
+
+
+def test_decode_gqa(ops):
+    Paged(ops, [(1, 1), (9, 1), (33, 1)], n_heads=6, n_kv=2, dim=8, block_size=8).check(scale=1 / math.sqrt(8))
+
+
+def test_gqa_head_to_kv_mapping(ops):
+    """Query heads 0-2 read KV head 0, heads 3-5 KV head 1 (h // group, as ggml broadcasts)."""
+    p = Paged(ops, [(5, 5)], n_heads=6, n_kv=2, dim=4, block_size=4)
+    p.v[0][:, 0, :], p.v[0][:, 1, :] = 1.0, 2.0
+    slot = p.meta.block_tables[0][np.arange(5) // 4].astype(np.int64) * 4 + np.arange(5) % 4
+    ops.store_kv(p.k_cache, p.v_cache, p.k[0], p.v[0], slot)
+    out = p.run(0.5)[0]
+    close(out[:, :3], np.ones((5, 3, 4)))
+    close(out[:, 3:], np.full((5, 3, 4), 2.0))
+
+
+def test_shuffled_block_tables(ops):
+    p = Paged(ops, [(45, 45), (12, 12)], n_heads=4, n_kv=2, dim=16, block_size=4, shuffle=True, seed=7)
+    assert not np.all(np.diff(p.meta.block_tables[0][:12]) == 1)   # really non-contiguous
+    p.check()
+
+
+def test_mixed_batch(ops):
+    """Decode rows and prefill chunks with nonzero start positions, interleaved in one packed batch."""
+    seqs = [(17, 1), (40, 9), (1, 1), (23, 5), (50, 1)]   # chunks start at 31 and 18
+    Paged(ops, seqs, n_heads=6, n_kv=2, dim=16, block_size=4, seed=8).check(scale=0.3)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 8, 100])
+def test_sliding_window_decode(ops, window):
+    seqs = [(1, 1), (4, 1), (5, 1), (11, 1), (13, 1), (30, 1)]
+    Paged(ops, seqs, n_heads=4, n_kv=2, dim=8, block_size=4, seed=9).check(window=window)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 8, 100])
+def test_sliding_window_multi_token(ops, window):
+    seqs = [(11, 11), (30, 7), (13, 2), (6, 6)]
+    Paged(ops, seqs, n_heads=4, n_kv=2, dim=8, block_size=4, seed=10).check(window=window)
+
+
+@pytest.mark.parametrize("window", [2, 4, 7])
+def test_sliding_window_mixed_batch(ops, window):
+    seqs = [(20, 1), (26, 6), (3, 1), (9, 9), (15, 1)]
+    Paged(ops, seqs, n_heads=6, n_kv=3, dim=8, block_size=4, seed=11).check(window=window)
+
+
+def _positional_values(ops, ctx: int, n_q: int, block_size: int = 4):
+    """q = 0 makes every visible key weigh the same; V[k] = k makes the output the mean visible position."""
+    p = Paged(ops, [(ctx, n_q)], n_heads=2, n_kv=1, dim=4, block_size=block_size, seed=12)
+    p.q[0][:] = 0.0
+    v = np.broadcast_to(np.arange(ctx, dtype=np.float32)[:, None, None], p.v[0].shape).copy()
+    table = p.meta.block_tables[0]
+    pos = np.arange(ctx)
+    ops.store_kv(p.k_cache, p.v_cache, p.k[0], v, table[pos // block_size].astype(np.int64) * block_size
+                 + pos % block_size)
+    return p
+
+
+def test_sliding_window_boundary_decode(ops):
+    out = _positional_values(ops, ctx=11, n_q=1).run(scale=1.0, window=4)[0]
+    close(out, np.full(out.shape, (7 + 8 + 9 + 10) / 4))     # query at 10 sees 7..10, not 6
+
+
+def test_sliding_window_boundary_multi_token(ops):
+    out = _positional_values(ops, ctx=11, n_q=3).run(scale=1.0, window=4)[0]
+    expected = np.array([(5 + 6 + 7 + 8) / 4, (6 + 7 + 8 + 9) / 4, (7 + 8 + 9 + 10) / 4])
+    close(out, np.broadcast_to(expected[:, None, None], out.shape))
+
+
+def test_no_window_sees_whole_prefix(ops):
+    out = _positional_values(ops, ctx=11, n_q=3).run(scale=1.0, window=0)[0]
+    expected = np.array([np.mean(np.arange(9)), np.mean(np.arange(10)), np.mean(np.arange(11))])
+    close(out, np.broadcast_to(expected[:, None, None], out.shape))
+
+
+@pytest.mark.parametrize("seqs", [[(12, 12)], [(12, 12), (7, 7)], [(20, 6)], [(9, 1)], [(5, 1), (18, 18)]],
+                         ids=["one", "two", "chunk", "single_row", "single_row_and_full"])
+def test_non_causal_attends_to_whole_context(ops, seqs):
+    p = Paged(ops, seqs, n_heads=4, n_kv=2, dim=8, block_size=4, causal=False, seed=13)
+    p.check()
+    if seqs == [(12, 12)]:   # every query row really sees the last key
+        out = _noncausal_positional(ops)
+        close(out, np.full(out.shape, np.mean(np.arange(12))))
+
+
+def _noncausal_positional(ops):
+    p = _positional_values(ops, ctx=12, n_q=12)
+    p.meta = AttentionMetadata(p.meta.query_lens, p.meta.context_lens, p.meta.block_tables, p.meta.slot_mapping,
+                               causal=False)
+    return p.run(scale=1.0)[0]
+
+
+def test_attention_large_scores_are_stable(ops):
+    p = Paged(ops, [(10, 10), (21, 1)], n_heads=2, n_kv=1, dim=8, block_size=4, seed=14)
+    for q in p.q:
+        q *= 30.0
+    p.check(scale=1.0)
+
+
+# --- FFN activations ---------------------------------------------------------------------------
+
+
+def _gate_up(seed: int = 15, scale: float = 3.0):
+    rng = np.random.default_rng(seed)
+    gate = (rng.standard_normal((7, 33)) * scale).astype(np.float32)
+    up = rng.standard_normal((7, 33)).astype(np.float32)
+    gate[0, :6] = [0.0, -20.0, 20.0, -88.0, 88.0, -1e-3]
+    return gate, up
+
+
+def test_swiglu(ops):
+    gate, up = _gate_up()
+    g, u = gate.astype(np.float64), up.astype(np.float64)
+    ref = g / (1.0 + np.exp(-g)) * u
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # very negative gates overflow exp() silently, to the right 0
+        got = ops.swiglu(gate, up)
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    close(got, ref)
+
+
+def test_gelu_tanh_gate(ops):
+    gate, up = _gate_up()
+    ref = np.array([[0.5 * g * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))) * u
+                     for g, u in zip(grow.astype(np.float64), urow.astype(np.float64))]
+                    for grow, urow in zip(gate, up)])
+    got = ops.gelu_tanh_gate(gate, up)
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    close(got, ref)
+    np.testing.assert_array_equal(gate, _gate_up()[0])   # inputs untouched
+
+
+def test_gelu_tanh_close_to_exact_gelu(ops):
+    g = np.linspace(-6, 6, 241).astype(np.float32)
+    exact = np.array([0.5 * x * (1 + math.erf(x / math.sqrt(2))) for x in g.astype(np.float64)])
+    close(ops.gelu_tanh_gate(g, np.ones_like(g)), exact, rtol=0, atol=1e-3)
+
+
+# --- log_softmax and top_k ----------------------------------------------------------------------
+
+
+def test_log_softmax(ops):
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((4, 96)) * 5).astype(np.float32)
+    x[1] += 1e4                         # large offsets must not overflow
+    x[2, :] = 0.0                       # uniform row
+    x[3, 7] = -1e30
+    ref = np.array([[v - (max(row) + math.log(sum(math.exp(w - max(row)) for w in row))) for v in row]
+                    for row in x.astype(np.float64)])
+    got = ops.log_softmax(x)
+    assert got.dtype == np.float32
+    close(got, ref, atol=1e-4)
+    close(np.exp(got.astype(np.float64)).sum(axis=-1), np.ones(4), atol=1e-5)
+    close(got[2], np.full(96, -math.log(96)))
+
+
+@pytest.mark.parametrize("k", [1, 4, 96, 200])
+def test_top_k_ordering(ops, k):
+    rng = np.random.default_rng(17)
+    x = rng.permutation(np.arange(96 * 3, dtype=np.float32)).reshape(3, 96) / 7.0   # distinct values
+    ids, vals = ops.top_k(x, k)
+    kk = min(k, 96)
+    assert ids.shape == vals.shape == (3, kk)
+    for r in range(3):
+        ref_ids = sorted(range(96), key=lambda j: -float(x[r, j]))[:kk]
+        assert ids[r].tolist() == ref_ids
+        np.testing.assert_array_equal(vals[r], x[r, ref_ids])
+        assert np.all(np.diff(vals[r]) < 0)
+
+
+def test_top_k_with_ties_is_best_first(ops):
+    x = np.array([[0.0, 3.0, 1.0, 3.0, 2.0, 3.0, -1.0]], np.float32)
+    ids, vals = ops.top_k(x, 4)
+    assert vals.tolist() == [[3.0, 3.0, 3.0, 2.0]]
+    assert sorted(ids[0, :3].tolist()) == [1, 3, 5] and ids[0, 3] == 4
+
+
+def test_matmul_and_embedding(ops):
+    rng = np.random.default_rng(18)
+    x = rng.standard_normal((5, 24)).astype(np.float32)
+    w = rng.standard_normal((10, 24)).astype(np.float32)
+    close(ops.matmul(x, ops.prepare_weight(w)), x.astype(np.float64) @ w.astype(np.float64).T)
+    table = ops.asarray(w)
+    np.testing.assert_array_equal(ops.embedding(table, np.array([3, 0, 3, 9])), w[[3, 0, 3, 9]])
