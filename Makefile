@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PYTHON ?= python3
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-all bench serve clean
+.PHONY: install test test-all bench serve clean protos
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,15 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q -m ''
+
+# Regenerates protos/tensorserve/v1/*_pb2.py, *_pb2.pyi and *_pb2_grpc.py (committed) from the .proto files
+# with the grpcio-tools pinned in pyproject.toml. protoc runs with protos/ as its include root, so the
+# contracts keep their public names (package tensorserve.v1, /tensorserve.v1.Worker/Step); the Python it
+# writes imports `from tensorserve.v1 import ...`, which protos/generate.py rewrites to
+# `from protos.tensorserve.v1 import ...`, where the installed package puts the modules.
+# tests/test_protos.py regenerates with the same script into a temporary folder and fails on any difference.
+protos: install
+	$(PY) protos/generate.py
 
 bench: install
 	$(PY) loadtest/bench_forward.py

@@ -43,7 +43,10 @@ class Backend(Protocol):
         """Take a float32 [out_features, in_features] matrix into the layout `matmul` wants."""
     def matmul(self, x: Array, w: Any) -> Array:
         """x [n, in] times the prepared weight -> [n, out]."""
-    def embedding(self, table: Any, ids: np.ndarray) -> Array: ...
+    def prepare_embedding(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Any:
+        """Take a (possibly quantized) [vocab, d_model] table as stored in the GGUF."""
+    def embedding(self, table: Any, ids: np.ndarray) -> Array:
+        """Rows `ids` of a prepared embedding table, float32 [len(ids), d_model]."""
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array: ...
     def rope(self, x: Array, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> Array:
         """Rotate x [n, heads, head_dim] in place of the first n_dims dims, normal (adjacent pairs) or NeoX (halves)."""

@@ -119,8 +119,17 @@ class Batch:
             self.b = None
 
 
+_FLASH_ATTN = {
+    "auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+_flash_attn_choice = "auto"
+
+
 def _new_context(model, *, n_ctx, n_batch, n_seq_max, threads):
     p = L.llama_context_default_params()
+    p.flash_attn_type = _FLASH_ATTN[_flash_attn_choice]
     p.n_ctx = n_ctx
     p.n_batch = n_batch
     p.n_ubatch = n_batch
@@ -272,6 +281,8 @@ def main(argv=None) -> int:
                     help="decode steps in the batched-decode test")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed runs per test (best is reported)")
+    ap.add_argument("--flash-attn", choices=sorted(_FLASH_ATTN), default="auto",
+                    help="llama.cpp flash-attention setting (default: llama.cpp's auto)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--verbose", action="store_true",
                     help="show llama.cpp's own log output on stderr")
@@ -280,6 +291,8 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.model):
         ap.error(f"model not found: {args.model}")
 
+    global _flash_attn_choice
+    _flash_attn_choice = args.flash_attn
     _silence_llama_logs(args.verbose)
     t_start = time.perf_counter()
     L.llama_backend_init()
@@ -331,6 +344,7 @@ def main(argv=None) -> int:
         "model": os.path.basename(args.model),
         "model_desc": desc_buf.value.decode(errors="replace"),
         "n_threads": args.threads,
+        "flash_attn": args.flash_attn,
         "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens,
         "batch_seqs": args.batch,

@@ -14,7 +14,9 @@ import sys
 import warnings
 from pathlib import Path
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -211,10 +213,11 @@ def test_store_kv_writes_slots(ops):
     k = np.arange(3 * 2 * 8, dtype=np.float32).reshape(3, 2, 8)
     slots = np.array([11, 0, 5])
     ops.store_kv(k_cache, v_cache, k, -k, slots)
+    # CPU layout: [kv_heads, blocks, block_size, head_dim]
     for i, s in enumerate(slots):
-        np.testing.assert_array_equal(k_cache[s // 4, s % 4], k[i])
-        np.testing.assert_array_equal(v_cache[s // 4, s % 4], -k[i])
-    assert np.count_nonzero(k_cache.reshape(12, -1).any(axis=1)) == 3
+        np.testing.assert_array_equal(k_cache[:, s // 4, s % 4], k[i])
+        np.testing.assert_array_equal(v_cache[:, s // 4, s % 4], -k[i])
+    assert np.count_nonzero(k_cache.transpose(1, 2, 0, 3).reshape(12, -1).any(axis=1)) == 3
 
 
 @pytest.mark.parametrize("ctx", [1, 5, 16, 37])
@@ -407,5 +410,11 @@ def test_matmul_and_embedding(ops):
     x = rng.standard_normal((5, 24)).astype(np.float32)
     w = rng.standard_normal((10, 24)).astype(np.float32)
     close(ops.matmul(x, ops.prepare_weight(w)), x.astype(np.float64) @ w.astype(np.float64).T)
-    table = ops.asarray(w)
+    # an F32 table as stored in a GGUF, and a Q8_0 one (rows decoded on lookup)
+    table = ops.prepare_embedding(np.frombuffer(w.tobytes(), np.uint8), GGMLQuantizationType.F32, w.shape)
     np.testing.assert_array_equal(ops.embedding(table, np.array([3, 0, 3, 9])), w[[3, 0, 3, 9]])
+    wide = rng.standard_normal((10, 64)).astype(np.float32)
+    q8 = gguf.quants.quantize(wide, GGMLQuantizationType.Q8_0)
+    table = ops.prepare_embedding(q8.reshape(-1), GGMLQuantizationType.Q8_0, wide.shape)
+    expected = gguf.quants.dequantize(q8, GGMLQuantizationType.Q8_0)[[7, 1]]
+    np.testing.assert_array_equal(ops.embedding(table, np.array([7, 1])), expected)

@@ -36,6 +36,10 @@ class WeightLoader:
         t = self.info(name, shape)
         return dequantize(self.gguf.raw(name), t.ggml_type, t.shape)
 
+    def embedding(self, name: str, shape: tuple[int, int]) -> object:
+        t = self.info(name, shape)
+        return self.ops.prepare_embedding(self.gguf.raw(name), t.ggml_type, t.shape)
+
     def vector(self, name: str, size: int) -> object:
         return self.ops.asarray(self.float32(name, (size,)))
 

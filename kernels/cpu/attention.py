@@ -1,6 +1,6 @@
 """Grouped-query attention over a paged KV cache, in numpy.
 
-K/V caches are [num_blocks, block_size, n_kv_heads, head_dim]. Decode rows
+K/V caches are [n_kv_heads, num_blocks, block_size, head_dim]. Decode rows
 (one query token) of all sequences are computed together over padded
 contexts; multi-token rows (prefill chunks, diffusion canvases) sequence by
 sequence. Sliding window follows llama.cpp: a query at p sees keys k with
@@ -8,9 +8,13 @@ p - window < k <= p.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kernels import AttentionMetadata
+
+QUERY_TILE = 128
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
@@ -29,6 +33,26 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     return out
 
 
+def _gather(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """cache[:, blocks] -> [kv, *blocks.shape, block_size, d], indexing the first axis only (numpy's fast path)."""
+    n_kv, n_blocks = cache.shape[:2]
+    index = blocks[None] + (np.arange(n_kv) * n_blocks).reshape((n_kv,) + (1,) * blocks.ndim)
+    return cache.reshape(n_kv * n_blocks, *cache.shape[2:])[index]
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_bias(first_query: int, n_queries: int, n_keys: int, window: int) -> np.ndarray:
+    """0 / -inf bias for queries at key offsets first_query.. over keys 0..n_keys-1 (shared by all layers)."""
+    query_pos = first_query + np.arange(n_queries)
+    key_pos = np.arange(n_keys)
+    visible = key_pos[None, :] <= query_pos[:, None]
+    if window > 0:
+        visible &= key_pos[None, :] > (query_pos - window)[:, None]
+    bias = np.where(visible, np.float32(0), np.float32(-np.inf))
+    bias.flags.writeable = False
+    return bias
+
+
 def _softmax_inplace(s: np.ndarray) -> np.ndarray:
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
@@ -39,7 +63,7 @@ def _softmax_inplace(s: np.ndarray) -> np.ndarray:
 def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.ndarray,
             ctx: np.ndarray, scale: float, window: int) -> np.ndarray:
     n_seqs, n_heads, dim = q.shape
-    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    n_kv, block_size = k_cache.shape[0], k_cache.shape[2]
     group = n_heads // n_kv
     first_block = 0
     if window > 0:  # blocks wholly before every sequence's window are never read
@@ -47,24 +71,24 @@ def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.
     last_block = -(-int(ctx.max()) // block_size)
     blocks = tables[:, first_block:last_block]
     span = blocks.shape[1] * block_size
-    keys = k_cache[blocks].reshape(n_seqs, span, n_kv, dim).transpose(0, 2, 3, 1)    # [B, kv, d, L]
-    values = v_cache[blocks].reshape(n_seqs, span, n_kv, dim).transpose(0, 2, 1, 3)  # [B, kv, L, d]
-    qg = q.reshape(n_seqs, n_kv, group, dim) * scale
-    scores = np.matmul(qg, keys)                                                      # [B, kv, g, L]
+    keys = _gather(k_cache, blocks).reshape(n_kv, n_seqs, span, dim)                   # [kv, B, L, d]
+    values = _gather(v_cache, blocks).reshape(n_kv, n_seqs, span, dim)
+    qg = (q * np.float32(scale)).reshape(n_seqs, n_kv, group, dim).transpose(1, 0, 2, 3)  # [kv, B, g, d]
+    scores = np.matmul(qg, keys.transpose(0, 1, 3, 2))                                 # [kv, B, g, L]
     key_pos = first_block * block_size + np.arange(span)
     query_pos = ctx - 1
     visible = key_pos[None, :] <= query_pos[:, None]
     if window > 0:
         visible &= key_pos[None, :] > (query_pos - window)[:, None]
-    scores = np.where(visible[:, None, None, :], scores, -np.inf)
+    scores = np.where(visible[None, :, None, :], scores, np.float32(-np.inf))
     _softmax_inplace(scores)
-    return np.matmul(scores, values).reshape(n_seqs, n_heads, dim)
+    return np.matmul(scores, values).transpose(1, 0, 2, 3).reshape(n_seqs, n_heads, dim)
 
 
 def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table: np.ndarray,
                  ctx: int, scale: float, window: int, causal: bool) -> np.ndarray:
     n_q, n_heads, dim = q.shape
-    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    n_kv, block_size = k_cache.shape[0], k_cache.shape[2]
     group = n_heads // n_kv
     first_pos = ctx - n_q
     lo = 0
@@ -72,21 +96,28 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
         lo = max(0, first_pos - window + 1) // block_size
     hi = -(-ctx // block_size)
     blocks = table[lo:hi]
-    keys = k_cache[blocks].reshape(-1, n_kv, dim)[:ctx - lo * block_size]
-    values = v_cache[blocks].reshape(-1, n_kv, dim)[:ctx - lo * block_size]
-    key_pos = lo * block_size + np.arange(keys.shape[0])
+    base = lo * block_size                     # position of keys[..., 0]
+    n_keys = ctx - base
+    keys = _gather(k_cache, blocks).reshape(n_kv, -1, dim)[:, :n_keys].transpose(0, 2, 1)  # [kv, d, L] (view)
+    values = _gather(v_cache, blocks).reshape(n_kv, -1, dim)[:, :n_keys]                    # [kv, L, d]
     # heads of a KV group share one matmul: rows are (group member, query)
-    qg = (q * scale).reshape(n_q, n_kv, group, dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n_q, dim)
-    scores = np.matmul(qg, keys.transpose(1, 2, 0))                                  # [kv, g*n_q, L]
-    if causal:
-        query_pos = first_pos + np.arange(n_q)
-        visible = key_pos[None, :] <= query_pos[:, None]
-        if window > 0:
-            visible &= key_pos[None, :] > (query_pos - window)[:, None]
-        bias = np.where(visible, np.float32(0), np.float32(-np.inf))
-        scores = scores.reshape(n_kv, group, n_q, -1)
-        scores += bias
-        scores = scores.reshape(n_kv, group * n_q, -1)
-    _softmax_inplace(scores)
-    out = np.matmul(scores, values.transpose(1, 0, 2))                                # [kv, g*n_q, d]
-    return out.reshape(n_kv, group, n_q, dim).transpose(2, 0, 1, 3).reshape(n_q, n_heads, dim)
+    qg = (q * np.float32(scale)).reshape(n_q, n_kv, group, dim).transpose(1, 2, 0, 3)  # [kv, g, n_q, d]
+    out = np.empty((n_kv, group, n_q, dim), np.float32)
+    # causal queries are taken in tiles so a tile skips the keys after its last query
+    tile = QUERY_TILE if causal else n_q
+    for a in range(0, n_q, tile):
+        b = min(n_q, a + tile)
+        k_lo, k_hi = 0, n_keys
+        if causal:
+            k_hi = first_pos + b - base
+            if window > 0:
+                k_lo = max(0, first_pos + a - window + 1 - base)
+        qt = qg[:, :, a:b].reshape(n_kv, group * (b - a), dim)
+        scores = np.matmul(qt, keys[:, :, k_lo:k_hi])                                  # [kv, g*t, L']
+        if causal:
+            scores = scores.reshape(n_kv, group, b - a, -1)
+            scores += _mask_bias(first_pos + a - base - k_lo, b - a, k_hi - k_lo, window)
+            scores = scores.reshape(n_kv, group * (b - a), -1)
+        _softmax_inplace(scores)
+        out[:, :, a:b] = np.matmul(scores, values[:, k_lo:k_hi]).reshape(n_kv, group, b - a, dim)
+    return out.transpose(2, 0, 1, 3).reshape(n_q, n_heads, dim)

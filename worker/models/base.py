@@ -45,12 +45,12 @@ class Model:
             "attn_output": (c.d_model, c.n_heads * c.head_dim),
         }
 
-    def _split_qkv(self, qkv: Array) -> tuple[Array, Array, Array]:
+    def _split_qk_v(self, qkv: Array) -> tuple[Array, Array]:
+        """Fused projection output -> (Q and K heads together [n, heads + kv_heads, d], V [n, kv_heads, d]).
+
+        Q and K stay together so per-head operations (RoPE, QK-norm) run once for both."""
         c = self.config
         n = qkv.shape[0]
-        q_end = c.n_heads * c.head_dim
-        k_end = q_end + c.n_kv_heads * c.head_dim
-        q = qkv[:, :q_end].reshape(n, c.n_heads, c.head_dim)
-        k = qkv[:, q_end:k_end].reshape(n, c.n_kv_heads, c.head_dim)
-        v = qkv[:, k_end:].reshape(n, c.n_kv_heads, c.head_dim)
-        return q, k, v
+        qk_end = (c.n_heads + c.n_kv_heads) * c.head_dim
+        return (qkv[:, :qk_end].reshape(n, c.n_heads + c.n_kv_heads, c.head_dim),
+                qkv[:, qk_end:].reshape(n, c.n_kv_heads, c.head_dim))

@@ -18,8 +18,7 @@ from worker.weights import WeightLoader
 class Gemma3Layer:
     attn_norm: Array
     qkv: Array
-    q_norm: Array
-    k_norm: Array
+    qk_norm: Array          # [n_heads + n_kv_heads, head_dim]: attn_q_norm per Q head, attn_k_norm per K head
     attn_output: Array
     attn_post_norm: Array
     ffn_norm: Array
@@ -32,10 +31,9 @@ class Gemma3Model(Model):
     def __init__(self, config: ModelConfig, weights: WeightLoader, ops: Backend):
         super().__init__(config, ops)
         c = config
-        embed = weights.float32("token_embd.weight", (c.vocab_size, c.d_model))
-        self.embed = ops.asarray(embed)
-        self.output = (weights.linear(("output.weight", (c.vocab_size, c.d_model)))
-                       if weights.has("output.weight") else ops.prepare_weight(embed))
+        self.embed = weights.embedding("token_embd.weight", (c.vocab_size, c.d_model))
+        tied = not weights.has("output.weight")
+        self.output = weights.linear(("token_embd.weight" if tied else "output.weight", (c.vocab_size, c.d_model)))
         self.output_norm = weights.vector("output_norm.weight", c.d_model)
         # llama.cpp: f_attention_scale = 1/sqrt(head_dim) for the small Gemma 3 models (query_pre_attn_scalar)
         self.query_scale = 1.0 / math.sqrt(c.head_dim)
@@ -46,8 +44,7 @@ class Gemma3Model(Model):
             self.layers.append(Gemma3Layer(
                 attn_norm=weights.vector(p + "attn_norm.weight", c.d_model),
                 qkv=weights.linear(*((p + n + ".weight", shapes[n]) for n in ("attn_q", "attn_k", "attn_v"))),
-                q_norm=weights.vector(p + "attn_q_norm.weight", c.head_dim),
-                k_norm=weights.vector(p + "attn_k_norm.weight", c.head_dim),
+                qk_norm=self._qk_norm(weights, p),
                 attn_output=weights.linear((p + "attn_output.weight", shapes["attn_output"])),
                 attn_post_norm=weights.vector(p + "post_attention_norm.weight", c.d_model),
                 ffn_norm=weights.vector(p + "ffn_norm.weight", c.d_model),
@@ -57,15 +54,21 @@ class Gemma3Model(Model):
                 ffn_post_norm=weights.vector(p + "post_ffw_norm.weight", c.d_model),
             ))
 
+    def _qk_norm(self, weights: WeightLoader, prefix: str) -> Array:
+        c = self.config
+        q = weights.float32(prefix + "attn_q_norm.weight", (c.head_dim,))
+        k = weights.float32(prefix + "attn_k_norm.weight", (c.head_dim,))
+        return self.ops.asarray(np.concatenate([np.tile(q, (c.n_heads, 1)), np.tile(k, (c.n_kv_heads, 1))]))
+
     def forward(self, inp: ForwardInput) -> Array:
         c, ops = self.config, self.ops
         x = ops.embedding(self.embed, inp.token_ids) * np.float32(math.sqrt(c.d_model))
         for il, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.attn_norm, c.rms_eps)
-            q, k, v = self._split_qkv(ops.matmul(h, layer.qkv))
-            base = c.layer_rope_base(il)
-            q = ops.rope(ops.rms_norm(q, layer.q_norm, c.rms_eps), inp.positions, base, c.rope_dims, c.rope_neox)
-            k = ops.rope(ops.rms_norm(k, layer.k_norm, c.rms_eps), inp.positions, base, c.rope_dims, c.rope_neox)
+            qk, v = self._split_qk_v(ops.matmul(h, layer.qkv))
+            qk = ops.rms_norm(qk, layer.qk_norm, c.rms_eps)     # QK-norm: per-head weights, Q's then K's
+            qk = ops.rope(qk, inp.positions, c.layer_rope_base(il), c.rope_dims, c.rope_neox)
+            q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
             k_cache, v_cache = self.kv_caches[il]
             ops.store_kv(k_cache, v_cache, k, v, inp.attention.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, inp.attention, self.query_scale, c.layer_window(il))

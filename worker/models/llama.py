@@ -25,10 +25,9 @@ class LlamaModel(Model):
     def __init__(self, config: ModelConfig, weights: WeightLoader, ops: Backend):
         super().__init__(config, ops)
         c = config
-        embed = weights.float32("token_embd.weight", (c.vocab_size, c.d_model))
-        self.embed = ops.asarray(embed)
-        self.output = (weights.linear(("output.weight", (c.vocab_size, c.d_model)))
-                       if weights.has("output.weight") else ops.prepare_weight(embed))
+        self.embed = weights.embedding("token_embd.weight", (c.vocab_size, c.d_model))
+        tied = not weights.has("output.weight")
+        self.output = weights.linear(("token_embd.weight" if tied else "output.weight", (c.vocab_size, c.d_model)))
         self.output_norm = weights.vector("output_norm.weight", c.d_model)
         shapes = self._attn_shapes()
         self.layers = []
@@ -50,9 +49,9 @@ class LlamaModel(Model):
         x = ops.embedding(self.embed, inp.token_ids)
         for il, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.attn_norm, c.rms_eps)
-            q, k, v = self._split_qkv(ops.matmul(h, layer.qkv))
-            q = ops.rope(q, inp.positions, c.rope_base, c.rope_dims, c.rope_neox)
-            k = ops.rope(k, inp.positions, c.rope_base, c.rope_dims, c.rope_neox)
+            qk, v = self._split_qk_v(ops.matmul(h, layer.qkv))
+            qk = ops.rope(qk, inp.positions, c.rope_base, c.rope_dims, c.rope_neox)
+            q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
             k_cache, v_cache = self.kv_caches[il]
             ops.store_kv(k_cache, v_cache, k, v, inp.attention.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, inp.attention, scale, c.layer_window(il))
