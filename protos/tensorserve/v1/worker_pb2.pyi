@@ -1,0 +1,124 @@
+from protos.tensorserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("model_name", "architecture", "fingerprint", "vocab_size", "num_blocks", "block_size", "max_context", "n_layers", "backend", "hostname")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    architecture: str
+    fingerprint: str
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    max_context: int
+    n_layers: int
+    backend: str
+    hostname: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class SeqChunk(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _common_pb2.Tensor
+    start_pos: int
+    block_table: _common_pb2.Tensor
+    prompt_len: int
+    sample: bool
+    params: _common_pb2.SamplingParams
+    score_top_k: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("chunks", "finished", "step_id")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[SeqChunk]
+    finished: _containers.RepeatedScalarFieldContainer[int]
+    step_id: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., step_id: _Optional[int] = ...) -> None: ...
+
+class SeqResult(_message.Message):
+    __slots__ = ("seq_id", "token_id", "logprob", "top_ids", "top_logprobs", "score_ids", "score_logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_id: int
+    logprob: float
+    top_ids: _common_pb2.Tensor
+    top_logprobs: _common_pb2.Tensor
+    score_ids: _common_pb2.Tensor
+    score_logprobs: _common_pb2.Tensor
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("results", "tokens_computed", "step_id")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SeqResult]
+    tokens_computed: int
+    step_id: int
+    def __init__(self, results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., tokens_computed: _Optional[int] = ..., step_id: _Optional[int] = ...) -> None: ...
+
+class BlockRange(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExportBlocksRequest(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: BlockRange
+    def __init__(self, blocks: _Optional[_Union[BlockRange, _Mapping]] = ...) -> None: ...
+
+class ExportBlocksResponse(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
+    def __init__(self, layers: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+
+class ImportBlocksRequest(_message.Message):
+    __slots__ = ("blocks", "layers")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    blocks: BlockRange
+    layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
+    def __init__(self, blocks: _Optional[_Union[BlockRange, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+
+class ImportBlocksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,125 @@
+"""The step contract (shared/step.py) and SamplingParams to and from their protobuf messages.
+
+Arrays travel through a ``TensorCodec`` (shared/shm.py): shared memory for a
+peer on this host, inline bytes otherwise. Without a codec everything is
+inline. Encoding a message recycles the codec's arena, so a sender uses one
+codec per peer and encodes its next message only after the peer has read the
+previous one (true of Step: one request, one response).
+"""
+from __future__ import annotations
+
+from protos.tensorserve.v1 import common_pb2, worker_pb2
+from shared.sampling_params import SamplingParams
+from shared.shm import TensorCodec
+from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
+
+__all__ = ["sampling_params_to_proto", "sampling_params_from_proto", "step_request_to_proto",
+           "step_request_from_proto", "step_result_to_proto", "step_result_from_proto"]
+
+_INT_FIELDS = ("max_tokens", "top_k")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_OPTIONAL_FIELDS = _INT_FIELDS + _FLOAT_FIELDS + ("seed", "ignore_eos", "logprobs")
+
+_inline_codec: TensorCodec | None = None
+
+
+def _codec(codec: TensorCodec | None) -> TensorCodec:
+    global _inline_codec
+    if codec is not None:
+        return codec
+    if _inline_codec is None:
+        _inline_codec = TensorCodec("inline")
+    return _inline_codec
+
+
+# ----------------------------------------------------------------- sampling parameters
+def sampling_params_to_proto(params: SamplingParams,
+                             out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
+    """Every field is written (with presence), so the receiver gets exactly these values."""
+    msg = common_pb2.SamplingParams() if out is None else out
+    for name in _INT_FIELDS:
+        setattr(msg, name, int(getattr(params, name)))
+    for name in _FLOAT_FIELDS:
+        setattr(msg, name, float(getattr(params, name)))
+    msg.ignore_eos = bool(params.ignore_eos)
+    if params.seed is not None:
+        msg.seed = int(params.seed)
+    if params.logprobs is not None:
+        msg.logprobs = int(params.logprobs)
+    msg.stop_token_ids[:] = [int(t) for t in params.stop_token_ids]
+    return msg
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults. Not validated: call .validate() where input is untrusted."""
+    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
+    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+
+
+# ----------------------------------------------------------------- step request
+def step_request_to_proto(request: StepRequest, codec: TensorCodec | None = None,
+                          step_id: int = 0) -> worker_pb2.StepRequest:
+    codec = _codec(codec)
+    codec.begin_message()
+    msg = worker_pb2.StepRequest(step_id=step_id)
+    for c in request.chunks:
+        m = msg.chunks.add()
+        m.seq_id = int(c.seq_id)
+        codec.encode_into(c.token_ids, m.token_ids)
+        m.start_pos = int(c.start_pos)
+        codec.encode_into(c.block_table, m.block_table)
+        m.prompt_len = int(c.prompt_len)
+        m.sample = bool(c.sample)
+        if c.params is not None:
+            sampling_params_to_proto(c.params, m.params)
+        m.score_top_k = int(c.score_top_k)
+    msg.finished[:] = [int(s) for s in request.finished]
+    return msg
+
+
+def step_request_from_proto(msg: worker_pb2.StepRequest, codec: TensorCodec | None = None) -> StepRequest:
+    codec = _codec(codec)
+    chunks = [
+        SeqChunk(
+            seq_id=m.seq_id,
+            token_ids=codec.decode(m.token_ids),
+            start_pos=m.start_pos,
+            block_table=codec.decode(m.block_table),
+            prompt_len=m.prompt_len,
+            sample=m.sample,
+            params=sampling_params_from_proto(m.params) if m.HasField("params") else None,
+            score_top_k=m.score_top_k,
+        )
+        for m in msg.chunks
+    ]
+    return StepRequest(chunks, finished=list(msg.finished))
+
+
+# ----------------------------------------------------------------- step result
+_RESULT_ARRAYS = ("top_ids", "top_logprobs", "score_ids", "score_logprobs")
+
+
+def step_result_to_proto(result: StepResult, codec: TensorCodec | None = None,
+                         step_id: int = 0) -> worker_pb2.StepResponse:
+    codec = _codec(codec)
+    codec.begin_message()
+    msg = worker_pb2.StepResponse(tokens_computed=int(result.tokens_computed), step_id=step_id)
+    for r in result.results:
+        m = msg.results.add()
+        m.seq_id = int(r.seq_id)
+        m.token_id = int(r.token_id)
+        m.logprob = float(r.logprob)
+        for name in _RESULT_ARRAYS:
+            value = getattr(r, name)
+            if value is not None:
+                codec.encode_into(value, getattr(m, name))
+    return msg
+
+
+def step_result_from_proto(msg: worker_pb2.StepResponse, codec: TensorCodec | None = None) -> StepResult:
+    codec = _codec(codec)
+    results = []
+    for m in msg.results:
+        arrays = {name: codec.decode(getattr(m, name)) if m.HasField(name) else None for name in _RESULT_ARRAYS}
+        results.append(SeqResult(seq_id=m.seq_id, token_id=m.token_id, logprob=m.logprob, **arrays))
+    return StepResult(results, tokens_computed=msg.tokens_computed)
