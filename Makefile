@@ -31,6 +31,9 @@ test-all: install
 protos: install
 	$(PY) protos/generate.py
 
+serve: install
+	$(VENV)/bin/tensorserve serve
+
 bench: install
 	$(PY) loadtest/bench_forward.py
 

@@ -95,8 +95,16 @@ def bench_model(name: str) -> dict:
         "decode_tok_s": decode,
         "batch32_decode_tok_s": batch,
         "weight_bytes_per_token": weights,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_mib(),
     }
+
+
+def peak_rss_mib() -> float:
+    """This process's own peak resident memory (VmHWM: unlike ru_maxrss, not inherited from a forking parent)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_peer(peer_python: str, name: str) -> dict | None:
@@ -117,13 +125,19 @@ def main() -> int:
     ap.add_argument("--peer-python", default=os.environ.get("TS_PEER_PYTHON"),
                     help="python of a venv with llama-cpp-python, to run the peer side by side [env TS_PEER_PYTHON]")
     ap.add_argument("--one", help=argparse.SUPPRESS)   # internal: bench one model in this process
+    ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.one:
         print(json.dumps(bench_model(args.one)))
         return 0
+    if args.bandwidth:
+        print(json.dumps(measure_bandwidth_gbs()))
+        return 0
 
-    bandwidth = measure_bandwidth_gbs()
+    # every measurement runs in a child of this small process, so no child inherits a large parent's RSS
+    bandwidth = json.loads(subprocess.run([sys.executable, __file__, "--bandwidth"], capture_output=True,
+                                          text=True, check=True).stdout)
     results: dict[str, float] = {"memory_bandwidth_gbs": bandwidth}
     rows = []
     for name in args.models:

@@ -22,7 +22,7 @@ What it measures on one GGUF, CPU only, n_threads = n_threads_batch = --threads:
       batch, untimed), then --batch-steps steps that each decode one token per
       sequence (--batch tokens per llama_decode).  Reports total generated
       tokens / summed decode time.  Best of --repeats.
-  (d) peak RSS of this process (MiB), from getrusage(ru_maxrss).
+  (d) peak RSS of this process (MiB), from /proc/self/status VmHWM.
 
 llama.cpp's own log output is silenced; --verbose turns it back on.
 """
@@ -62,10 +62,12 @@ def _silence_llama_logs(verbose: bool) -> None:
 
 
 def _peak_rss_mib() -> float:
-    # ru_maxrss is in KiB on Linux.
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    cur = psutil.Process().memory_info().rss / (1024.0 * 1024.0)
-    return max(peak, cur)
+    # VmHWM is this process's own peak; ru_maxrss would include a forking parent's RSS
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _normal_token_ids(vocab, n_vocab: int) -> np.ndarray:

@@ -22,6 +22,9 @@ class Sequence:
     params: SamplingParams
     eos_ids: frozenset[int] = frozenset()
     score_top_k: int = 0                      # > 0: also return top-k logprobs of every prompt position
+    # with score_top_k: False = scoring only (finishes "scored" once the prompt is computed);
+    # True = score the prompt positions, then generate as usual (echo with logprobs)
+    generate_after_score: bool = False
     seq_id: int = field(default_factory=lambda: next(_ids))
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -30,6 +33,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0                      # tokens whose K/V is in the cache
     status: Status = Status.WAITING
+    num_preemptions: int = 0                   # times its KV was dropped to be recomputed
     finish_reason: str | None = None
 
     @property

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -111,6 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parse-special", action="store_true", help="turn special-token text (e.g. <|im_start|>) into its id")
     p.add_argument("--add-special", action="store_true", help="add the model's BOS/EOS as llama.cpp does")
     p.set_defaults(func=cmd_tokenize)
+
+    from tensorserve import serve
+    p = sub.add_parser("serve", help="start worker, scheduler and router on localhost (the embedded default)",
+                       description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.run)
+
+    for name, summary in (("router", "the public APIs: OpenAI-compatible HTTP and gRPC Generation"),
+                          ("scheduler", "the engine loop: batching, KV blocks, streaming tokens"),
+                          ("worker", "one device: weights, KV pool, forward pass, sampling")):
+        module = importlib.import_module(f"{name}.main")
+        p = sub.add_parser(name, help=f"start one {name} process: {summary}")
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
 
     p = sub.add_parser("score", help="teacher-forced top-k log-probabilities at every position of a token list")
     _add_model_arg(p)

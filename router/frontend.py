@@ -1,0 +1,488 @@
+"""What the gRPC and HTTP front ends share: the model's tokenizer and chat template,
+request validation, talking to the scheduler, detokenization and stop strings.
+
+The router holds no tensors: it reads the GGUF's metadata only. A request goes
+
+    prepare_*()  ->  Prepared (prompt ids, SamplingParams, stop strings, echo)
+    generate()   ->  async iterator of PromptEvent / DeltaEvent / FinishEvent
+
+Errors a client caused or can act on are raised as ``FrontendError``, which
+carries both the HTTP status and the gRPC code, so each front end maps them
+the same way.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+
+from protos.tensorserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from router.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateMissing
+from router.detokenizer import IncrementalDetokenizer
+from router.tokenizer import Tokenizer
+from shared.gguf_file import GGUFFile
+from shared.model_registry import model_name, resolve_model
+from shared.sampling_params import SamplingParams
+from shared.step_codec import sampling_params_to_proto
+
+log = logging.getLogger("tensorserve.router")
+
+HEALTH_TIMEOUT_S = 2.0
+STATS_TIMEOUT_S = 2.0
+
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_SCORED: "length",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+# ----------------------------------------------------------------------------- errors
+class FrontendError(Exception):
+    """An error reported to the client: HTTP status, gRPC code and OpenAI error fields."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None,
+                 grpc_code: grpc.StatusCode | None = None, type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.param = param
+        self.grpc_code = grpc_code or _GRPC_FOR_STATUS.get(status, grpc.StatusCode.INTERNAL)
+        self.type = type or _TYPE_FOR_STATUS.get(status, "server_error")
+
+    def to_openai(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_detail(self) -> common_pb2.ErrorDetail:
+        return common_pb2.ErrorDetail(code=self.code or self.type, message=self.message, param=self.param or "")
+
+
+_GRPC_FOR_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+_TYPE_FOR_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    429: "rate_limit_error", 501: "not_implemented_error", 503: "service_unavailable",
+                    504: "timeout_error"}
+
+
+def error_from_rpc(exc: grpc.RpcError, what: str = "scheduler") -> FrontendError:
+    """Map a scheduler RPC failure to what the client sees."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        ctx = "context" in details and "prompt" in details
+        return FrontendError(details, 400, code="context_length_exceeded" if ctx else "invalid_argument",
+                             param="prompt" if ctx else None)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return FrontendError(details, 404, code="model_not_found", param="model")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return FrontendError(details, 429, code="resource_exhausted")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return FrontendError(f"the {what} is unavailable: {details}", 503, code="unavailable")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return FrontendError(f"the {what} did not answer in time: {details}", 503, code="unavailable")
+    if code == grpc.StatusCode.CANCELLED:
+        return FrontendError(f"the {what} cancelled the request: {details}", 503, code="cancelled")
+    return FrontendError(f"the {what} failed ({code.name}): {details}", 500, code="internal_error")
+
+
+# ----------------------------------------------------------------------------- events
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float | None
+    top: list[tuple[int, str, bytes, float]] = field(default_factory=list)
+
+
+@dataclass
+class PromptEvent:
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class DeltaEvent:
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class FinishEvent:
+    finish_reason: str            # "stop", "length", "abort", "error"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    stop: str | None = None
+    error: FrontendError | None = None
+    proto_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass
+class Prepared:
+    request_id: str
+    prompt_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    stop: list[str]
+    echo: bool = False
+    prompt_logprobs: int | None = None       # top-k at prompt positions (echo with logprobs)
+    endpoint: str = "generate"
+
+
+# ----------------------------------------------------------------------------- stop strings
+class StopStringMatcher:
+    """Applies stop strings to streamed text, holding back what may begin one.
+
+    ``push(text)`` returns the text safe to emit and whether a stop string
+    matched (the stop string and what follows are dropped). ``flush()`` gives
+    what was held back once generation ends without a match.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._pending = ""
+        self.matched: str | None = None
+
+    def push(self, text: str) -> str:
+        if self.matched is not None:
+            return ""
+        if not self.stops:
+            return text
+        pending = self._pending + text
+        best = None
+        for s in self.stops:
+            i = pending.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self.matched = best[1]
+            self._pending = ""
+            return pending[:best[0]]
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(pending)), hold, -1):
+                if pending.endswith(s[:k]):
+                    hold = k
+                    break
+        self._pending = pending[len(pending) - hold:] if hold else ""
+        return pending[:len(pending) - hold]
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out if self.matched is None else ""
+
+
+# ----------------------------------------------------------------------------- scheduler client
+class SchedulerClient:
+    """The router's side of scheduler.proto, on a grpc.aio channel (created inside the running loop)."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
+
+    @property
+    def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ])
+            self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        return self._stub
+
+    def submit(self, request: scheduler_pb2.SubmitRequest):
+        return self.stub.Submit(request)
+
+    async def stats(self, timeout: float = STATS_TIMEOUT_S) -> scheduler_pb2.StatsResponse:
+        return await self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=timeout)
+
+    async def health(self, timeout: float = HEALTH_TIMEOUT_S) -> common_pb2.HealthResponse:
+        return await self.stub.Health(common_pb2.HealthRequest(), timeout=timeout)
+
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
+        try:
+            await self.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout)
+        except grpc.RpcError:
+            pass
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+
+# ----------------------------------------------------------------------------- the model front end
+class Frontend:
+    """One served model: tokenizer, chat template, validation, and generation through the scheduler."""
+
+    def __init__(self, model: str, scheduler_address: str | None, served_model_name: str | None = None,
+                 metrics: Any = None):
+        self.model_arg = model
+        self.path: Path = resolve_model(model)
+        gguf = GGUFFile(self.path)
+        md = gguf.metadata
+        self.metadata = md
+        self.architecture = gguf.architecture
+        self.served_model_name = served_model_name or model_name(model)
+        self.tokenizer = Tokenizer.from_metadata(md)
+        self.chat_template: ChatTemplate | None
+        self.chat_template_error: str | None = None
+        try:
+            self.chat_template = ChatTemplate.from_metadata(md, self.tokenizer)
+        except (ChatTemplateMissing, ChatTemplateError) as exc:
+            self.chat_template = None
+            self.chat_template_error = str(exc)
+        self.gguf_context = int(md.get(f"{self.architecture}.context_length", 0) or 0)
+        self._max_context: int | None = None       # from the scheduler's Stats (KV-capped), when known
+        try:
+            from shared.model_config import model_fingerprint
+            self.fingerprint = model_fingerprint(gguf)   # a few KB sampled from the mmap, no tensors kept
+        except Exception:  # pragma: no cover - fingerprint is informative only
+            self.fingerprint = ""
+        del gguf
+        self.created = int(self.path.stat().st_mtime)
+        self.scheduler = SchedulerClient(scheduler_address) if scheduler_address else None
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ model facts
+    @property
+    def max_context(self) -> int:
+        return self._max_context or self.gguf_context
+
+    async def refresh_max_context(self) -> int:
+        if self._max_context is None and self.scheduler is not None:
+            try:
+                stats = await self.scheduler.stats(timeout=STATS_TIMEOUT_S)
+                if stats.max_context:
+                    self._max_context = int(stats.max_context)
+            except grpc.RpcError:
+                pass
+        return self.max_context
+
+    def note_stats(self, stats: scheduler_pb2.StatsResponse) -> None:
+        if stats.max_context:
+            self._max_context = int(stats.max_context)
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in (self.served_model_name,):
+            raise FrontendError(f"the model '{model}' does not exist here; this server serves "
+                                f"'{self.served_model_name}'", 404, code="model_not_found", param="model")
+
+    # ------------------------------------------------------------------ tokens
+    def token_logprob(self, token_id: int, logprob: float | None,
+                      top_ids=(), top_logprobs=()) -> TokenLogprob:
+        b = self.tokenizer.token_bytes(token_id)
+        top = [(int(t), self.token_str(int(t)), self.tokenizer.token_bytes(int(t)), float(lp))
+               for t, lp in zip(top_ids, top_logprobs)]
+        return TokenLogprob(token_id, b.decode("utf-8", errors="replace"), b, logprob, top)
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def encode_completion(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special=True, parse_special=False)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if self.chat_template is None:
+            raise FrontendError(self.chat_template_error or "this model has no chat template", 400,
+                                code="chat_template_missing", param="messages")
+        try:
+            return self.chat_template.render(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise FrontendError(str(exc), 400, code="invalid_messages", param="messages") from None
+
+    def encode_chat(self, messages: list[dict]) -> tuple[list[int], str]:
+        text = self.render_chat(messages)
+        return self.tokenizer.encode(text, add_special=False, parse_special=True), text
+
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        n = self.tokenizer.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < n:
+                raise FrontendError(f"token id {t!r} is outside the vocabulary (0..{n - 1})", 400,
+                                    code="invalid_token", param=param)
+        return list(ids)
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def make_params(**kwargs: Any) -> SamplingParams:
+        clean = {k: v for k, v in kwargs.items() if v is not None}
+        try:
+            params = SamplingParams(**clean)
+            params.validate()
+        except (ValueError, TypeError) as exc:
+            msg = str(exc)
+            param = msg.split(" ", 1)[0] if msg else None
+            raise FrontendError(msg, 400, code="invalid_value", param=param) from None
+        return params
+
+    async def check_prompt_length(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise FrontendError("the prompt is empty (no tokens); send some text", 400,
+                                code="invalid_prompt", param="prompt")
+        m = await self.refresh_max_context()
+        if m and len(prompt_ids) >= m:
+            raise FrontendError(f"prompt has {len(prompt_ids)} tokens but the context holds {m} "
+                                "(at least one must be left to generate); shorten the prompt",
+                                400, code="context_length_exceeded", param="prompt")
+
+    @staticmethod
+    def new_request_id(prefix: str = "req") -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, p: Prepared) -> AsyncIterator[PromptEvent | DeltaEvent | FinishEvent]:
+        """Stream one request through the scheduler.
+
+        Raises FrontendError when the scheduler refuses the request before its
+        first event; a failure after that ends the stream with a FinishEvent
+        whose error is set. Closing the iterator early cancels the Submit call,
+        which aborts the sequence upstream.
+        """
+        if self.scheduler is None:
+            raise FrontendError("the router has no scheduler to send requests to (start it with --scheduler)",
+                                503, code="unavailable")
+        req = scheduler_pb2.SubmitRequest(request_id=p.request_id, prompt_token_ids=p.prompt_ids)
+        sampling_params_to_proto(p.params, req.sampling)
+        if p.prompt_logprobs is not None:
+            req.prompt_logprobs = p.prompt_logprobs
+        metrics = self.metrics
+        t0 = time.perf_counter()
+        t_last: float | None = None
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStringMatcher(p.stop)
+        want_lp = p.params.logprobs is not None
+        completion_tokens = 0
+        first = True
+        call = self.scheduler.submit(req)
+        try:
+            try:
+                async for ev in call:
+                    if first:
+                        first = False
+                        if p.echo:
+                            lps = None
+                            if p.prompt_logprobs is not None:
+                                lps = [self.token_logprob(p.prompt_ids[0], None)]
+                                for te in ev.prompt_logprobs:
+                                    lps.append(self.token_logprob(te.token_id, te.logprob, te.top_ids,
+                                                                  te.top_logprobs))
+                            text = (p.prompt_text if p.prompt_text is not None
+                                    else self.tokenizer.decode(p.prompt_ids))
+                            yield PromptEvent(list(p.prompt_ids), text, lps)
+                    if ev.tokens:
+                        now = time.perf_counter()
+                        if metrics is not None:
+                            if t_last is None:
+                                metrics.ttft.observe(now - t0)
+                            else:
+                                metrics.itl.observe((now - t_last) / len(ev.tokens))
+                        t_last = now
+                        ids, lps, text = [], [] if want_lp else None, []
+                        for te in ev.tokens:
+                            ids.append(te.token_id)
+                            if lps is not None:
+                                lps.append(self.token_logprob(te.token_id, te.logprob, te.top_ids,
+                                                              te.top_logprobs))
+                            text.append(detok.feed(te.token_id))
+                        completion_tokens += len(ids)
+                        if metrics is not None:
+                            metrics.generation_tokens.inc(len(ids))
+                        out = stops.push("".join(text))
+                        yield DeltaEvent(ids, out, lps)
+                        if stops.matched is not None:
+                            call.cancel()
+                            yield FinishEvent("stop", len(p.prompt_ids), completion_tokens,
+                                              stop=stops.matched, proto_reason=common_pb2.FINISH_REASON_STOP)
+                            return
+                    if ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        tail = stops.push(detok.flush())
+                        if stops.matched is None:
+                            tail += stops.flush()
+                        if tail:
+                            yield DeltaEvent([], tail, [] if want_lp else None)
+                        reason = ev.finish_reason
+                        if stops.matched is not None:
+                            reason = common_pb2.FINISH_REASON_STOP
+                        err = None
+                        if reason == common_pb2.FINISH_REASON_ERROR:
+                            d = ev.error
+                            code = d.code or "internal_error"
+                            err = FrontendError(d.message or "generation failed in the scheduler",
+                                                503 if "unavailable" in code else 500,
+                                                code=code, param=d.param or None)
+                        usage = ev.usage
+                        yield FinishEvent(FINISH_NAMES.get(reason, "stop"), len(p.prompt_ids),
+                                          completion_tokens, cached_tokens=int(usage.cached_tokens),
+                                          stop=stops.matched, error=err, proto_reason=reason)
+                        return
+            except grpc.RpcError as exc:
+                err = error_from_rpc(exc)
+                if first:
+                    raise err from None
+                yield FinishEvent("error", len(p.prompt_ids), completion_tokens, error=err,
+                                  proto_reason=common_pb2.FINISH_REASON_ERROR)
+                return
+            # the stream ended without a finish event
+            err = FrontendError("the scheduler ended the stream without finishing the request", 503,
+                                code="unavailable")
+            if first:
+                raise err
+            yield FinishEvent("error", len(p.prompt_ids), completion_tokens, error=err,
+                              proto_reason=common_pb2.FINISH_REASON_ERROR)
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def collect(self, p: Prepared) -> tuple[PromptEvent | None, list[DeltaEvent], FinishEvent]:
+        """Run a request to completion (non-streamed APIs)."""
+        prompt, deltas, finish = None, [], None
+        async for ev in self.generate(p):
+            if isinstance(ev, PromptEvent):
+                prompt = ev
+            elif isinstance(ev, DeltaEvent):
+                deltas.append(ev)
+            else:
+                finish = ev
+        assert finish is not None
+        return prompt, deltas, finish
+
+    # ------------------------------------------------------------------ health
+    async def health(self) -> tuple[bool, str, list]:
+        """(serving, message, components) from the scheduler's Health, never waiting past its deadline."""
+        if self.scheduler is None:
+            return False, "the router has no scheduler configured (--scheduler)", []
+        try:
+            h = await self.scheduler.health(timeout=HEALTH_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            return False, error_from_rpc(exc).message, []
+        except asyncio.TimeoutError:
+            return False, f"the scheduler at {self.scheduler.address} did not answer Health in time", []
+        ok = h.status == common_pb2.SERVING_STATUS_SERVING
+        msg = h.message
+        if not ok and not msg:
+            bad = [f"{c.name}: {c.message or 'not serving'}" for c in h.components
+                   if c.status != common_pb2.SERVING_STATUS_SERVING]
+            msg = "; ".join(bad) or "the scheduler is not serving"
+        return ok, msg, list(h.components)
+
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.close()

@@ -1,0 +1,200 @@
+"""The router process: the OpenAI-compatible HTTP API and the gRPC Generation service
+in one asyncio (uvloop) event loop, in front of one scheduler.
+
+    python -m router.main --scheduler 127.0.0.1:50061 --http-port 8000 --grpc-port 50051
+
+`add_arguments(parser)` and `run(args)` are what `tensorserve router` calls.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+log = logging.getLogger("tensorserve.router")
+
+
+def _env(name: str, default=None):
+    return os.environ.get(name, default)
+
+
+def _port(value: str) -> int:
+    p = int(value)
+    if not 0 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {p}")
+    return p
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", default=_env("TS_MODEL", "smollm2-135m"),
+                        help="bundled model name or path to a GGUF file; the router reads only its metadata "
+                             "(tokenizer, chat template) [env TS_MODEL, default smollm2-135m]")
+    parser.add_argument("--scheduler", default=_env("TS_SCHEDULER_ADDRESS"),
+                        help="host:port of the scheduler [env TS_SCHEDULER_ADDRESS]")
+    parser.add_argument("--host", default=_env("TS_ROUTER_HOST", "127.0.0.1"),
+                        help="address to listen on, HTTP and gRPC [env TS_ROUTER_HOST, default 127.0.0.1]")
+    parser.add_argument("--http-port", type=_port, default=_port(_env("TS_HTTP_PORT", "8000")),
+                        help="OpenAI-compatible HTTP port, 0 = any free port [env TS_HTTP_PORT, default 8000]")
+    parser.add_argument("--grpc-port", type=_port, default=_port(_env("TS_GRPC_PORT", "50051")),
+                        help="gRPC Generation port, 0 = any free port [env TS_GRPC_PORT, default 50051]")
+    parser.add_argument("--api-key", default=_env("TS_API_KEY") or None,
+                        help="require 'Authorization: Bearer KEY' on HTTP /v1/* and gRPC metadata "
+                             "(health and metrics stay open) [env TS_API_KEY, default: no key]")
+    parser.add_argument("--served-model-name", default=_env("TS_SERVED_MODEL_NAME") or None,
+                        help="model id clients send and /v1/models lists [env TS_SERVED_MODEL_NAME, "
+                             "default: the bundled name or the GGUF file's stem]")
+    parser.add_argument("--ready-file", default=_env("TS_READY_FILE") or None,
+                        help='write {"http": "host:port", "grpc": "host:port", "pid": N} here once both '
+                             "listen [env TS_READY_FILE]")
+    parser.add_argument("--grace-period", "--shutdown-grace", dest="grace_period", type=float,
+                        default=float(_env("TS_GRACE_PERIOD", "10")),
+                        help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C "
+                             "[env TS_GRACE_PERIOD, default 10]")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"router: cannot listen for HTTP on {host}:{port}: {exc.strerror}; "
+                         "choose another --http-port (0 = any free port)") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _write_ready(path: str, info: dict) -> None:
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(target)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import grpc
+    import uvicorn
+
+    from protos.tensorserve.v1 import router_pb2_grpc
+    from router.frontend import Frontend
+    from router.http_api import create_app
+    from router.metrics import RouterMetrics
+    from router.server import ApiKeyInterceptor, GenerationServicer
+
+    if not args.scheduler:
+        log.warning("no --scheduler given: generation requests will get 503 until one is configured")
+    frontend = Frontend(args.model, args.scheduler, args.served_model_name)
+    metrics = RouterMetrics(frontend.served_model_name)
+    frontend.metrics = metrics
+
+    # gRPC
+    interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
+    grpc_server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)])
+    servicer = GenerationServicer(frontend, metrics)
+    router_pb2_grpc.add_GenerationServicer_to_server(servicer, grpc_server)
+    try:
+        grpc_port = grpc_server.add_insecure_port(_hostport(args.host, args.grpc_port))
+    except RuntimeError as exc:
+        raise SystemExit(f"router: cannot listen for gRPC on {args.host}:{args.grpc_port} ({exc}); "
+                         "choose another --grpc-port (0 = any free port)") from None
+    if grpc_port == 0:
+        raise SystemExit(f"router: cannot listen for gRPC on {args.host}:{args.grpc_port}; "
+                         "choose another --grpc-port (0 = any free port)")
+
+    # HTTP
+    sock = _bind(args.host, args.http_port)
+    http_port = sock.getsockname()[1]
+    app = create_app(frontend, metrics, api_key=args.api_key)
+    config = uvicorn.Config(app, loop="uvloop", lifespan="off", log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=max(1, int(args.grace_period)))
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):   # signals are ours: both servers stop together
+            yield
+
+    http_server = _Server(config)
+    await grpc_server.start()
+    http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+    while not http_server.started:
+        if http_task.done():
+            await http_task
+            log.error("router: the HTTP server failed to start")
+            await grpc_server.stop(0)
+            return 1
+        await asyncio.sleep(0.02)
+
+    info = {"http": _hostport(args.host, http_port), "grpc": _hostport(args.host, grpc_port), "pid": os.getpid()}
+    log.warning("router serving %s on http://%s (OpenAI API) and grpc %s, scheduler %s",
+                frontend.served_model_name, info["http"], info["grpc"], args.scheduler)
+    if args.ready_file:
+        _write_ready(args.ready_file, info)
+
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({stop_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    log.warning("router: shutting down (grace %.0fs)", args.grace_period)
+    # Drain, then stop: grpc.aio's server.stop(grace) slows the shared gRPC poller (the scheduler
+    # streams of in-flight HTTP requests crawl), so gRPC refuses new calls while both drain and
+    # its server stops only once the in-flight work is done or the grace period is over.
+    servicer.draining = True
+    http_server.should_exit = True
+    deadline = loop.time() + args.grace_period
+    while (servicer.in_flight or not http_task.done()) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await grpc_server.stop(0)
+    await asyncio.gather(http_task, return_exceptions=True)
+    stop_task.cancel()
+    await frontend.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+    level = getattr(args, "log_level", None) or _env("TS_LOG_LEVEL", "WARNING")
+    logging.basicConfig(level=str(level).upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(serve(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:   # the model or its metadata: one line, not a traceback
+        from shared.errors import TensorServeError
+        if isinstance(exc, (TensorServeError, ValueError)):
+            print(f"router: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tensorserve router", description="The TensorServe router process: "
+                                     "OpenAI-compatible HTTP API and the gRPC Generation service.")
+    parser.add_argument("--log-level", default=_env("TS_LOG_LEVEL", "WARNING"),
+                        help="logging level [env TS_LOG_LEVEL, default WARNING]")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

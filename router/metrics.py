@@ -1,0 +1,60 @@
+"""The router's Prometheus metrics, in a registry of its own (one per router instance).
+
+Counters and histograms are updated as requests run; the scheduler gauges
+(queue length, running, KV usage) are polled from the scheduler's Stats when
+/metrics is scraped.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+__all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST"]
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class RouterMetrics:
+    def __init__(self, model: str):
+        self.registry = r = CollectorRegistry()
+        self.model = model
+        self.requests = Counter("tensorserve_requests", "Requests finished, by endpoint and HTTP/gRPC status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("tensorserve_prompt_tokens", "Prompt tokens sent to the scheduler",
+                                     registry=r)
+        self.generation_tokens = Counter("tensorserve_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("tensorserve_time_to_first_token_seconds",
+                              "Time from request receipt to the first generated token", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("tensorserve_inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of a request", buckets=_ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("tensorserve_e2e_request_latency_seconds", "Request time from receipt to finish",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.waiting = Gauge("tensorserve_num_requests_waiting", "Sequences waiting in the scheduler (queue length)",
+                             registry=r)
+        self.running = Gauge("tensorserve_num_requests_running", "Sequences running in the scheduler", registry=r)
+        self.kv_usage = Gauge("tensorserve_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1)", registry=r)
+        self.kv_blocks_total = Gauge("tensorserve_kv_blocks_total", "KV blocks in the worker's pool", registry=r)
+        self.kv_blocks_free = Gauge("tensorserve_kv_blocks_free", "KV blocks free", registry=r)
+        self.scheduler_up = Gauge("tensorserve_scheduler_up", "1 when the last Stats call to the scheduler succeeded",
+                                  registry=r)
+
+    def count(self, endpoint: str, status: int | str) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def set_stats(self, stats) -> None:
+        if stats is None:
+            self.scheduler_up.set(0)
+            return
+        self.scheduler_up.set(1)
+        self.waiting.set(stats.waiting)
+        self.running.set(stats.running)
+        self.kv_usage.set(stats.kv_used_fraction)
+        self.kv_blocks_total.set(stats.kv_blocks_total)
+        self.kv_blocks_free.set(stats.kv_blocks_free)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

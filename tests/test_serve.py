@@ -1,0 +1,135 @@
+"""`tensorserve serve`: the three processes together, as a user starts them."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from conftest import load_fixture
+from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from shared.sampling_params import SamplingParams
+
+START_TIMEOUT = 180
+
+
+def start_serve(tmp_path: Path, name: str) -> tuple[subprocess.Popen, dict]:
+    ready = tmp_path / f"{name}.json"
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tensorserve", "serve", "--http-port", "0", "--grpc-port", "0",
+                             "--kv-memory", "96MiB", "--grace-period", "5", "--ready-file", str(ready)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + START_TIMEOUT
+    while not ready.exists():
+        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
+        assert time.monotonic() < deadline, "serve did not become ready"
+        time.sleep(0.2)
+    return proc, json.loads(ready.read_text())
+
+
+def stop_serve(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    proc, info = start_serve(tmp_path_factory.mktemp("serve"), "serve")
+    yield info
+    stop_serve(proc)
+
+
+def test_greedy_through_the_stack_equals_in_process_generation(served, engines):
+    case = load_fixture("smollm2-135m")["generate"][1]
+    n = 24
+    expected = engines("smollm2-135m").generate(
+        [case["prompt_tokens"]], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].tokens
+    channel = grpc.insecure_channel(served["grpc"])
+    stub = router_pb2_grpc.GenerationStub(channel)
+    request = router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=case["prompt_tokens"]),
+        sampling=common_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    got = []
+    for event in stub.Generate(request, timeout=120):
+        if event.HasField("delta"):
+            got.extend(event.delta.token_ids)
+    assert got == expected
+
+
+def test_openai_client_streams_and_completes(served):
+    client = openai.OpenAI(base_url=f"http://{served['http']}/v1", api_key="unused")
+    chat = client.chat.completions.create(model="smollm2-135m", max_tokens=8, temperature=0,
+                                          messages=[{"role": "user", "content": "Say hello."}])
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=6, temperature=0, stream=True)
+        if c.choices]
+    plain = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=6,
+                                      temperature=0)
+    assert "".join(pieces) == plain.choices[0].text
+    assert "Paris" in plain.choices[0].text
+
+
+def test_dead_worker_gives_clear_errors_and_the_router_stays_up(tmp_path):
+    proc, info = start_serve(tmp_path, "dying")
+    try:
+        base = f"http://{info['http']}"
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=400,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        received = 0
+        with pytest.raises(openai.APIError) as failure:
+            for chunk in stream:
+                received += 1
+                if received == 3:
+                    os.kill(info["pids"]["worker"], signal.SIGKILL)
+        assert "worker" in str(failure.value).lower()
+        deadline = time.monotonic() + 20
+        while (health := httpx.get(base + "/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, "health still says ok after the worker died"
+            time.sleep(0.2)
+        assert health.status_code == 503 and "worker" in health.text.lower()
+        response = httpx.post(base + "/v1/completions", timeout=30,
+                              json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 503
+        assert "worker" in response.json()["error"]["message"].lower()
+        assert proc.poll() is None and alive(info["pids"]["router"])
+    finally:
+        code = stop_serve(proc)
+    assert code == 0
+    for name in ("router", "scheduler"):
+        assert not alive(info["pids"][name]), f"{name} still running after SIGTERM"
+
+
+def test_sigterm_stops_all_three_and_leaves_no_shared_memory(tmp_path):
+    proc, info = start_serve(tmp_path, "stopping")
+    client = openai.OpenAI(base_url=f"http://{info['http']}/v1", api_key="unused")
+    assert client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2).choices[0].text is not None
+    assert stop_serve(proc) == 0
+    for name, pid in info["pids"].items():
+        assert not alive(pid), f"{name} still running"
+        leftovers = [p.name for p in Path("/dev/shm").glob(f"ts-{pid}-*")]
+        assert not leftovers, f"{name} left shared memory segments {leftovers}"

@@ -1,0 +1,279 @@
+"""The kernel-worker process: a real `python -m worker.main` subprocess and a real gRPC client.
+
+One worker (SmolLM2, 64 MiB of KV) is shared by the module; the crash and
+start-up failure tests start their own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from shared.sampling_params import SamplingParams
+from shared.shm import SHM_DIR, TensorCodec
+from shared.step import SeqChunk, StepRequest
+from shared.step_codec import step_request_to_proto, step_result_from_proto
+from tests.conftest import load_fixture
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m"
+KV_MEMORY = "64MiB"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+INLINE_MD = (("ts-tensor-transport", "inline"),)
+SHM_MD = (("ts-tensor-transport", "shm"),)
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 * 2**20),
+                   ("grpc.max_receive_message_length", 256 * 2**20)]
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
+
+
+# ----------------------------------------------------------------- helpers
+def _segments_of(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"ts-{pid}-"))
+
+
+def start_worker(tmp: Path, *extra: str, name: str = "worker") -> tuple[subprocess.Popen, str]:
+    ready = tmp / f"{name}.ready.json"
+    ready.unlink(missing_ok=True)
+    log = open(tmp / f"{name}.log", "wb")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", MODEL, "--port", "0",
+                             "--kv-memory", KV_MEMORY, "--ready-file", str(ready), *extra],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"worker exited with {proc.returncode}:\n{(tmp / f'{name}.log').read_text()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"worker not ready in 60 s:\n{(tmp / f'{name}.log').read_text()}")
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    assert info["pid"] == proc.pid
+    return proc, info["address"]
+
+
+def stop_worker(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def stub_for(address: str) -> tuple[grpc.Channel, worker_pb2_grpc.WorkerStub]:
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    grpc.channel_ready_future(channel).result(timeout=10)
+    return channel, worker_pb2_grpc.WorkerStub(channel)
+
+
+def chunk(seq_id: int, tokens, start_pos: int, blocks, prompt_len: int, params=GREEDY, **kw) -> SeqChunk:
+    return SeqChunk(seq_id=seq_id, token_ids=np.asarray(tokens, np.int64), start_pos=start_pos,
+                    block_table=np.asarray(blocks, np.int32), prompt_len=prompt_len, params=params, **kw)
+
+
+def all_tensors(response: worker_pb2.StepResponse):
+    for r in response.results:
+        for name in ("top_ids", "top_logprobs", "score_ids", "score_logprobs"):
+            if r.HasField(name):
+                yield getattr(r, name)
+
+
+# ----------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("worker")
+    proc, address = start_worker(tmp)
+    channel, stub = stub_for(address)
+    yield proc, address, stub
+    channel.close()
+    assert stop_worker(proc) == 0
+    assert _segments_of(proc.pid) == []
+
+
+@pytest.fixture(scope="module")
+def runner():
+    """The in-process expectation: the same ModelRunner the worker wraps, with the same KV budget."""
+    from shared.model_registry import resolve_model
+    from worker.main import parse_size
+    from worker.model_runner import ModelRunner
+    return ModelRunner(resolve_model(MODEL), kv_memory=parse_size(KV_MEMORY))
+
+
+@pytest.fixture(scope="module")
+def fixture_case():
+    return load_fixture(MODEL)["generate"][0]
+
+
+# ----------------------------------------------------------------- tests
+def test_describe_reports_capacity(worker, runner):
+    _, _, stub = worker
+    d = stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
+    cap, cfg = runner.capacity, runner.config
+    assert d.model_name == MODEL
+    assert d.architecture == "llama"
+    assert d.fingerprint == cfg.fingerprint and len(d.fingerprint) >= 16
+    assert d.vocab_size == cfg.vocab_size == 49152
+    assert (d.num_blocks, d.block_size, d.max_context) == (cap.num_blocks, cap.block_size, cap.max_context)
+    assert d.num_blocks > 0 and d.block_size == 16 and 0 < d.max_context <= d.num_blocks * d.block_size
+    assert d.n_layers == cfg.n_layers and d.backend == "cpu" and d.hostname
+
+
+def test_health_serving(worker):
+    _, _, stub = worker
+    h = stub.Health(common_pb2.HealthRequest(), timeout=10)
+    assert h.status == common_pb2.SERVING_STATUS_SERVING
+    assert MODEL in h.message and "blocks" in h.message
+
+
+def test_prefill_matches_in_process_runner(worker, runner, fixture_case):
+    _, _, stub = worker
+    prompt = fixture_case["prompt_tokens"]
+    req = StepRequest([chunk(101, prompt, 0, [0], len(prompt))])
+    want = runner.execute(req).results[0]
+    runner.execute(StepRequest([], finished=[101]))
+    resp = stub.Step(step_request_to_proto(req, step_id=7), timeout=30, metadata=INLINE_MD)
+    assert resp.step_id == 7 and resp.tokens_computed == len(prompt)
+    got = step_result_from_proto(resp).results[0]
+    assert got.seq_id == 101
+    assert got.token_id == want.token_id == fixture_case["greedy_continuation"][0]
+    assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+    np.testing.assert_array_equal(got.top_ids, want.top_ids)
+    stub.Step(worker_pb2.StepRequest(finished=[101]), timeout=10)
+
+
+def test_greedy_decode_matches_llama_cpp(worker, fixture_case):
+    """Prefill, then one decode token per step through its growing block table (inline transport)."""
+    _, _, stub = worker
+    prompt, expected = fixture_case["prompt_tokens"], fixture_case["greedy_continuation"][:5]
+    codec = TensorCodec("inline")
+    seq, tokens, out = 102, list(prompt), []
+    blocks = [3]                                     # not block 0: the table is really read
+    feed, start = list(prompt), 0
+    for step_id in range(len(expected)):
+        req = StepRequest([chunk(seq, feed, start, blocks, len(prompt))])
+        resp = stub.Step(step_request_to_proto(req, codec, step_id=step_id), timeout=30, metadata=INLINE_MD)
+        assert all(t.WhichOneof("storage") == "inline_tensor" for t in all_tensors(resp))
+        token = step_result_from_proto(resp, codec).results[0].token_id
+        out.append(token)
+        start, feed = len(tokens), [token]
+        tokens.append(token)
+    stub.Step(worker_pb2.StepRequest(finished=[seq]), timeout=10)
+    assert out == expected
+
+
+def test_shm_and_inline_transports_agree(worker, runner, fixture_case):
+    """Request tensors as TensorRefs (forced even when small), response score arrays back through the
+    worker's arena; the same step inline gives the same arrays."""
+    _, _, stub = worker
+    prompt = fixture_case["prompt_tokens"]
+    k = 256                                          # [5, 256] int64 ids: over the 4 KiB shm threshold
+    req = StepRequest([chunk(103, prompt, 0, [7], len(prompt), score_top_k=k)])
+    want = runner.execute(req).results[0]
+    runner.execute(StepRequest([], finished=[103]))
+
+    shm_codec = TensorCodec("shm", shm_min_bytes=0)
+    msg = step_request_to_proto(req, shm_codec, step_id=1)
+    assert msg.chunks[0].token_ids.HasField("ref") and msg.chunks[0].block_table.HasField("ref")
+    resp = stub.Step(msg, timeout=30)              # auto transport: refs in, refs back
+    refs = [t.ref.shm_name for t in all_tensors(resp) if t.HasField("ref")]
+    assert refs and all(name.startswith(f"ts-{worker[0].pid}-") for name in refs)
+    via_shm = step_result_from_proto(resp, shm_codec).results[0]
+    stub.Step(worker_pb2.StepRequest(finished=[103]), timeout=10)
+
+    resp = stub.Step(step_request_to_proto(req, step_id=2), timeout=30, metadata=INLINE_MD)
+    assert all(t.WhichOneof("storage") == "inline_tensor" for t in all_tensors(resp))
+    via_inline = step_result_from_proto(resp).results[0]
+    stub.Step(worker_pb2.StepRequest(finished=[103]), timeout=10)
+    shm_codec.close()
+
+    for got in (via_shm, via_inline):
+        assert got.token_id == want.token_id
+        assert got.score_ids.shape == (len(prompt), k)
+        np.testing.assert_array_equal(got.score_ids, want.score_ids)
+        np.testing.assert_allclose(got.score_logprobs, want.score_logprobs, atol=1e-5)
+
+
+def test_bad_steps_are_invalid_argument_and_worker_stays_up(worker):
+    _, _, stub = worker
+    too_short = StepRequest([chunk(104, list(range(1, 40)), 0, [0, 1], 39)])      # 39 tokens need 3 blocks
+    no_params = StepRequest([chunk(105, [1, 2, 3], 0, [0], 3, params=None)])     # unknown seq, no params
+    bad_block = StepRequest([chunk(106, [1, 2, 3], 0, [10**6], 3)])
+    bad_token = StepRequest([chunk(107, [1, 2, 10**7], 0, [0], 3)])
+    bad_params = StepRequest([chunk(108, [1, 2, 3], 0, [0], 3, params=SamplingParams(temperature=-1))])
+    for req, words in ((too_short, "block table"), (no_params, "sampling parameters"),
+                       (bad_block, "block ids"), (bad_token, "token ids"), (bad_params, "temperature")):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Step(step_request_to_proto(req), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert words in info.value.details()
+    ref = worker_pb2.StepRequest()
+    c = ref.chunks.add(seq_id=109, start_pos=0, prompt_len=1)
+    c.token_ids.ref.shm_name, c.token_ids.ref.dtype = "ts-1-dead-0", "<i8"
+    c.token_ids.ref.shape[:] = [1]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Step(ref, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gone" in info.value.details()
+    stub.Step(worker_pb2.StepRequest(finished=[104, 105, 106, 107, 108, 109]), timeout=10)
+    assert stub.Health(common_pb2.HealthRequest(), timeout=10).status == common_pb2.SERVING_STATUS_SERVING
+    assert worker[0].poll() is None
+
+
+def test_export_import_blocks_unimplemented(worker):
+    _, _, stub = worker
+    for call, req in ((stub.ExportBlocks, worker_pb2.ExportBlocksRequest()),
+                      (stub.ImportBlocks, worker_pb2.ImportBlocksRequest())):
+        with pytest.raises(grpc.RpcError) as info:
+            call(req, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "prefix checkpoints" in info.value.details()
+
+
+def test_max_context_too_large_fails_at_start_with_numbers():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "worker.main", "--model", MODEL, "--kv-memory", "8MiB",
+                           "--max-context", "4096"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0
+    assert "4096" in proc.stderr                     # what was asked
+    assert "holds 11" in proc.stderr and "fits 176 tokens" in proc.stderr   # what the budget holds
+    assert "Traceback" not in proc.stderr
+
+
+def test_kill9_leaves_nothing_after_restart_and_sigterm_exits_clean(tmp_path):
+    proc, address = start_worker(tmp_path, "--tensor-transport", "shm", name="doomed")
+    channel, stub = stub_for(address)
+    req = StepRequest([chunk(1, [1, 2, 3, 4, 5], 0, [0], 5, score_top_k=256)])
+    resp = stub.Step(step_request_to_proto(req), timeout=30)
+    assert any(t.HasField("ref") for t in all_tensors(resp))
+    channel.close()
+    assert _segments_of(proc.pid), "the worker should hold a live segment"
+    proc.kill()
+    proc.wait()
+    dead = proc.pid
+    assert _segments_of(dead), "SIGKILL cannot clean up: the restart must"
+
+    proc2, address2 = start_worker(tmp_path, "--tensor-transport", "shm", name="restarted")
+    try:
+        assert _segments_of(dead) == []
+        channel, stub = stub_for(address2)
+        resp = stub.Step(step_request_to_proto(req), timeout=30)
+        assert any(t.HasField("ref") for t in all_tensors(resp))
+        channel.close()
+        assert _segments_of(proc2.pid)
+    finally:
+        rc = stop_worker(proc2)
+    assert rc == 0
+    assert _segments_of(proc2.pid) == []

@@ -1,0 +1,200 @@
+"""The worker's gRPC service (protos/tensorserve/v1/worker.proto) over one ModelRunner.
+
+Step calls are serialized: the runner, the shared-memory reader and the
+arenas are not thread-safe, and the engine loop sends one step at a time.
+
+Tensor transport of a Step response, first match wins:
+  1. call metadata ``ts-tensor-transport: shm|inline`` (what the scheduler wants back);
+  2. the worker's ``--tensor-transport`` when it is ``shm`` or ``inline``;
+  3. ``auto``: shm when the request itself carried a TensorRef or the peer is on this host.
+Small arrays go inline either way (TensorCodec.shm_min_bytes). Response refs
+point into an arena of this worker, one per peer address, and stay valid until
+that peer's next Step is answered.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+from collections import OrderedDict
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from shared.shm import ShmArena, ShmReader, TensorCodec, is_local_address
+from shared.step import StepRequest
+from shared.step_codec import step_request_from_proto, step_result_to_proto
+from worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 2**20
+TRANSPORT_METADATA_KEY = "ts-tensor-transport"
+MAX_PEER_ARENAS = 8
+UNIMPLEMENTED_BLOCKS = ("KV block export/import arrives with prefix checkpoints; this worker does not "
+                        "implement {} yet (the scheduler must prefill instead of restoring KV)")
+
+
+class BadStep(ValueError):
+    """A Step request the worker refuses: INVALID_ARGUMENT, the worker stays up."""
+
+
+def peer_host(peer: str) -> str:
+    """context.peer() ("ipv4:127.0.0.1:5432", "ipv6:[::1]:5432", "unix:/path") to an address
+    shared.shm.is_local_address understands."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.split(":", 1)[1]
+    return peer
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, runner: ModelRunner, model_name: str, backend: str, transport: str = "auto"):
+        if transport not in ("auto", "shm", "inline"):
+            raise ValueError(f"tensor transport must be shm, inline or auto, got {transport!r}")
+        self.runner = runner
+        self.model_name = model_name
+        self.backend = backend
+        self.transport = transport
+        self.hostname = socket.gethostname()
+        self._lock = threading.Lock()
+        self._reader = ShmReader()
+        self._decoder = TensorCodec("inline", reader=self._reader)   # decodes refs and inline alike
+        self._inline = TensorCodec("inline")
+        self._arenas: OrderedDict[str, ShmArena] = OrderedDict()
+        self._closed = False
+        self.steps = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _response_codec(self, request: worker_pb2.StepRequest, context) -> TensorCodec:
+        wanted = None
+        for key, value in context.invocation_metadata() or ():
+            if key == TRANSPORT_METADATA_KEY:
+                wanted = str(value).strip().lower()
+        if wanted not in ("shm", "inline"):
+            if self.transport != "auto":
+                wanted = self.transport
+            elif any(c.token_ids.HasField("ref") or c.block_table.HasField("ref") for c in request.chunks):
+                wanted = "shm"
+            else:
+                wanted = "shm" if is_local_address(peer_host(context.peer() or "")) else "inline"
+        if wanted == "inline":
+            return self._inline
+        peer = context.peer() or ""
+        arena = self._arenas.get(peer)
+        if arena is None:
+            arena = ShmArena()
+            self._arenas[peer] = arena
+            while len(self._arenas) > MAX_PEER_ARENAS:
+                _, old = self._arenas.popitem(last=False)
+                old.close()
+        self._arenas.move_to_end(peer)
+        return TensorCodec("shm", arena=arena, reader=self._reader)
+
+    def _validate(self, step: StepRequest) -> None:
+        cap, vocab = self.runner.capacity, self.runner.config.vocab_size
+        seen = set()
+        for c in step.chunks:
+            where = f"sequence {c.seq_id}"
+            if c.seq_id in seen:
+                raise BadStep(f"{where} appears twice in one step")
+            seen.add(c.seq_id)
+            tokens, table = np.asarray(c.token_ids), np.asarray(c.block_table)
+            if tokens.ndim != 1 or tokens.size == 0 or tokens.dtype.kind not in "iu":
+                raise BadStep(f"{where}: token_ids must be a non-empty 1-D integer array, "
+                              f"got dtype {tokens.dtype} shape {tokens.shape}")
+            if table.ndim != 1 or (table.size and table.dtype.kind not in "iu"):
+                raise BadStep(f"{where}: block_table must be a 1-D integer array, "
+                              f"got dtype {table.dtype} shape {table.shape}")
+            if tokens.min() < 0 or tokens.max() >= vocab:
+                raise BadStep(f"{where}: token ids must lie in [0, {vocab}), got {int(tokens.min())}.."
+                              f"{int(tokens.max())}")
+            if table.size and (table.min() < 0 or table.max() >= cap.num_blocks):
+                raise BadStep(f"{where}: block ids must lie in [0, {cap.num_blocks}), got "
+                              f"{int(table.min())}..{int(table.max())}")
+            end = c.start_pos + tokens.size
+            if c.start_pos < 0 or end > cap.max_context:
+                raise BadStep(f"{where}: positions {c.start_pos}..{end - 1} are outside this worker's "
+                              f"context of {cap.max_context} tokens")
+            needed = -(-end // cap.block_size)
+            if table.size < needed:
+                raise BadStep(f"{where}: block table has {table.size} blocks, {needed} needed for "
+                              f"{end} tokens (block size {cap.block_size})")
+            if not 0 <= c.prompt_len:
+                raise BadStep(f"{where}: prompt_len must be >= 0, got {c.prompt_len}")
+            if c.score_top_k > vocab:
+                raise BadStep(f"{where}: score_top_k {c.score_top_k} exceeds the vocabulary ({vocab})")
+            if c.params is not None:
+                try:    # max_tokens is the scheduler's business (0 for a scoring-only request)
+                    dataclasses.replace(c.params, max_tokens=1).validate()
+                except ValueError as exc:
+                    raise BadStep(f"{where}: {exc}") from None
+
+    # ------------------------------------------------------------------ RPCs
+    def Describe(self, request, context):
+        cfg, cap = self.runner.config, self.runner.capacity
+        return worker_pb2.DescribeResponse(
+            model_name=self.model_name, architecture=cfg.architecture, fingerprint=cfg.fingerprint,
+            vocab_size=cfg.vocab_size, num_blocks=cap.num_blocks, block_size=cap.block_size,
+            max_context=cap.max_context, n_layers=cfg.n_layers, backend=self.backend,
+            hostname=self.hostname)
+
+    def Step(self, request, context):
+        with self._lock:
+            if self._closed:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
+            try:
+                step = step_request_from_proto(request, self._decoder)
+                self._validate(step)
+                result = self.runner.execute(step)
+            except (BadStep, ValueError, TypeError, FileNotFoundError, IndexError) as exc:
+                log.warning("step %d refused: %s", request.step_id, exc)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Exception as exc:                      # a bug, not the caller's input: say so, stay up
+                log.exception("step %d failed", request.step_id)
+                context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
+            self.steps += 1
+            return step_result_to_proto(result, self._response_codec(request, context), step_id=request.step_id)
+
+    def ExportBlocks(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, UNIMPLEMENTED_BLOCKS.format("ExportBlocks"))
+
+    def ImportBlocks(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, UNIMPLEMENTED_BLOCKS.format("ImportBlocks"))
+
+    def Health(self, request, context):
+        cap = self.runner.capacity
+        if self._closed:
+            return common_pb2.HealthResponse(status=common_pb2.SERVING_STATUS_NOT_SERVING,
+                                             message="worker is shutting down")
+        return common_pb2.HealthResponse(
+            status=common_pb2.SERVING_STATUS_SERVING,
+            message=(f"{self.model_name} ({self.runner.config.architecture}) on {self.backend}: "
+                     f"{cap.num_blocks} KV blocks x {cap.block_size} tokens, max context {cap.max_context}"))
+
+    def close(self) -> None:
+        """Refuses further steps and unlinks this worker's shared-memory segments."""
+        with self._lock:
+            self._closed = True
+            for arena in self._arenas.values():
+                arena.close()
+            self._arenas.clear()
+            self._reader.close()
+
+
+def start_server(servicer: WorkerServicer, host: str, port: int, max_workers: int = 8) -> tuple[grpc.Server, int]:
+    """Starts a sync gRPC server; returns it and the bound port (port 0 picks a free one)."""
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="worker-rpc"),
+                         options=options)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    bound = server.add_insecure_port(target)
+    if bound == 0:
+        raise OSError(f"cannot listen on {target} (address in use or not available)")
+    server.start()
+    return server, bound
