@@ -16,7 +16,7 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)   # identity: a sequence is itself, whatever its fields hold
 class Sequence:
     prompt: list[int]
     params: SamplingParams
