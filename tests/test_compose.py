@@ -18,8 +18,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +26,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+
+from processes import free_port, spawn, stop_all
 
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
@@ -250,12 +250,6 @@ def test_every_ts_variable_is_read_by_its_process():
 
 # ---------------------------------------------------------------- 2. run each service as written
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalStack:
     """Translates compose services into local processes: hostnames -> 127.0.0.1, ports -> free ports."""
 
@@ -266,7 +260,7 @@ class LocalStack:
         self.ports: dict[tuple[str, str], str] = {}
         for name, service in services.items():
             for port in self._listening_ports(name, service):
-                self.ports[(name, port)] = str(_free_port())
+                self.ports[(name, port)] = str(free_port())
         names = "|".join(map(re.escape, services))
         self._host_port = re.compile(rf"\b({names}):(\d+)\b")
         self.procs: dict[str, subprocess.Popen] = {}
@@ -332,10 +326,8 @@ class LocalStack:
         argv = self.command(name)
         log = self.workdir / f"{name}.log"
         self.logs[name] = log
-        with open(log, "wb") as out:
-            self.procs[name] = subprocess.Popen(argv, env=self.env(name), cwd=self.workdir, stdout=out,
-                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                start_new_session=True)
+        self.procs[name] = spawn(argv, log, cwd=self.workdir, env=self.env(name), stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
 
     def tail(self, name: str, n: int = 30) -> str:
         log = self.logs.get(name)
@@ -363,19 +355,8 @@ class LocalStack:
             time.sleep(0.5)
 
     def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        codes = {}
-        for name, proc in self.procs.items():
-            try:
-                codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-                codes[name] = None      # needed SIGKILL
-        return codes
+        """SIGTERM all, SIGKILL what still runs after `timeout` s: exit codes, None = needed SIGKILL."""
+        return dict(zip(self.procs, stop_all(self.procs.values(), timeout)))
 
 
 def test_each_service_runs_locally_as_written(tmp_path):

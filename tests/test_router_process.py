@@ -9,8 +9,6 @@ Two back ends:
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from processes import free_port, start_with_ready_file, stop
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,38 +104,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 
 # ----------------------------------------------------------------------------- process helpers
-def _wait_ready(proc: subprocess.Popen, path: Path, timeout: float, name: str) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.exists():
-            try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError:
-                pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready")
-        time.sleep(0.1)
-    raise RuntimeError(f"{name} not ready after {timeout:.0f}s")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _start(cmd: list[str], ready: Path, name: str, log: Path, timeout: float = 60, env=None):
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
-    try:
-        return proc, _wait_ready(proc, ready, timeout, name)
-    except RuntimeError as exc:
-        _stop(proc)
-        raise RuntimeError(f"{exc}; log:\n{log.read_text()[-3000:]}") from None
+def _start(cmd: list[str], ready: Path, log: Path, name: str):
+    return start_with_ready_file(cmd, ready, log, timeout=60, name=name, log_chars=3000)
 
 
 class Stack:
@@ -170,22 +139,23 @@ def stack(request, tmp_path_factory):
                 pytest.skip("scheduler/main.py or worker/main.py does not exist yet")
             try:
                 w, winfo = _start([PY, "-m", "worker.main", "--model", MODEL, "--port", "0", "--kv-memory", "64MiB",
-                                   "--ready-file", str(tmp / "w.json")], tmp / "w.json", "worker", tmp / "w.log")
+                                   "--ready-file", str(tmp / "w.json")], tmp / "w.json", tmp / "w.log", name="worker")
                 procs.append(w)
                 s, sinfo = _start([PY, "-m", "scheduler.main", "--worker", winfo["address"], "--port", "0",
-                                   "--ready-file", str(tmp / "s.json")], tmp / "s.json", "scheduler", tmp / "s.log")
+                                   "--ready-file", str(tmp / "s.json")], tmp / "s.json", tmp / "s.log",
+                                  name="scheduler")
                 procs.append(s)
             except (RuntimeError, KeyError) as exc:
                 pytest.skip(f"real worker/scheduler did not start: {exc}")
             sched_addr = sinfo["address"]
         r, rinfo = _start([PY, "-m", "router.main", "--model", MODEL, "--scheduler", sched_addr,
                            "--http-port", "0", "--grpc-port", "0", "--api-key", API_KEY,
-                           "--ready-file", str(tmp / "r.json")], tmp / "r.json", "router", tmp / "r.log")
+                           "--ready-file", str(tmp / "r.json")], tmp / "r.json", tmp / "r.log", name="router")
         procs.append(r)
         yield Stack(request.param, rinfo["http"], rinfo["grpc"], fake, procs)
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop(p)
         if server is not None:
             server.stop(0)
 
@@ -449,14 +419,10 @@ def test_stop_string_matcher_holds_back_possible_starts():
 # ----------------------------------------------------------------------------- scheduler down, no chat template
 def test_scheduler_down_gives_503_not_a_hang(tmp_path):
     # a port nothing listens on
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead = f"127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    dead = f"127.0.0.1:{free_port()}"
     r, info = _start([PY, "-m", "router.main", "--model", "gemma3-270m", "--scheduler", dead, "--http-port", "0",
-                      "--grpc-port", "0", "--ready-file", str(tmp_path / "r.json")], tmp_path / "r.json", "router",
-                     tmp_path / "r.log")
+                      "--grpc-port", "0", "--ready-file", str(tmp_path / "r.json")], tmp_path / "r.json",
+                     tmp_path / "r.log", name="router")
     try:
         base = f"http://{info['http']}"
         t = time.time()
@@ -473,5 +439,5 @@ def test_scheduler_down_gives_503_not_a_hang(tmp_path):
             c.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "x"}])
         assert "no chat template" in str(ei.value)
     finally:
-        _stop(r)
+        stop(r)
     assert r.returncode == 0, "SIGTERM should stop the router cleanly"

@@ -6,8 +6,6 @@ SIGTERM tests.
 """
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,63 +18,28 @@ import pytest
 
 from agreement import greedy_prefix_to_check
 from conftest import load_fixture
+from processes import start_with_ready_file, stop, wait_for
 from protos.tensorserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = load_fixture("smollm2-135m")
 CASE = FIXTURE["generate"][0]
 SERVING = common_pb2.SERVING_STATUS_SERVING
 NOT_SERVING = common_pb2.SERVING_STATUS_NOT_SERVING
 
 
-def _wait_ready(proc: subprocess.Popen, path: Path, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError:
-                pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        time.sleep(0.05)
-    raise TimeoutError(f"{proc.args} wrote no ready file in {timeout}s")
-
-
 def start_worker(tmp: Path, name: str, port: int = 0) -> tuple[subprocess.Popen, str]:
     ready = tmp / f"{name}.json"
-    ready.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", "smollm2-135m", "--port", str(port),
-                             "--kv-memory", "64MiB", "--ready-file", str(ready)], cwd=ROOT,
-                            stdout=open(tmp / f"{name}.log", "ab"), stderr=subprocess.STDOUT)
-    return proc, _wait_ready(proc, ready)["address"]
+    proc, info = start_with_ready_file([sys.executable, "-m", "worker.main", "--model", "smollm2-135m", "--port",
+                                        str(port), "--kv-memory", "64MiB", "--ready-file", str(ready)],
+                                       ready, tmp / f"{name}.log")
+    return proc, info["address"]
 
 
 def start_scheduler(tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
     ready = tmp / f"{name}.json"
-    proc = subprocess.Popen([sys.executable, "-m", "scheduler.main", "--port", "0", "--ready-file", str(ready),
-                             "--grace-period", "20", *extra], cwd=ROOT,
-                            stdout=open(tmp / f"{name}.log", "ab"), stderr=subprocess.STDOUT)
-    return proc, _wait_ready(proc, ready)["address"]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
+    proc, info = start_with_ready_file([sys.executable, "-m", "scheduler.main", "--port", "0", "--ready-file",
+                                        str(ready), "--grace-period", "20", *extra], ready, tmp / f"{name}.log")
+    return proc, info["address"]
 
 
 def submit_request(prompt, max_tokens, request_id="", **sampling) -> scheduler_pb2.SubmitRequest:

@@ -1,7 +1,6 @@
 """`tensorserve serve`: the three processes together, as a user starts them."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import openai
 import pytest
 
 from conftest import load_fixture
+from processes import pid_alive, start_with_ready_file, stop
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from shared.sampling_params import SamplingParams
 
@@ -23,35 +23,13 @@ START_TIMEOUT = 180
 
 def start_serve(tmp_path: Path, name: str) -> tuple[subprocess.Popen, dict]:
     ready = tmp_path / f"{name}.json"
-    log = open(tmp_path / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tensorserve", "serve", "--http-port", "0", "--grpc-port", "0",
-                             "--kv-memory", "96MiB", "--grace-period", "5", "--ready-file", str(ready)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_TIMEOUT
-    while not ready.exists():
-        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
-        assert time.monotonic() < deadline, "serve did not become ready"
-        time.sleep(0.2)
-    return proc, json.loads(ready.read_text())
+    return start_with_ready_file([sys.executable, "-m", "tensorserve", "serve", "--http-port", "0", "--grpc-port",
+                                  "0", "--kv-memory", "96MiB", "--grace-period", "5", "--ready-file", str(ready)],
+                                 ready, tmp_path / f"{name}.log", timeout=START_TIMEOUT, name="serve")
 
 
-def stop_serve(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+def stop_serve(proc: subprocess.Popen) -> int | None:
+    return stop(proc, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +94,12 @@ def test_dead_worker_gives_clear_errors_and_the_router_stays_up(tmp_path):
                               json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2})
         assert response.status_code == 503
         assert "worker" in response.json()["error"]["message"].lower()
-        assert proc.poll() is None and alive(info["pids"]["router"])
+        assert proc.poll() is None and pid_alive(info["pids"]["router"])
     finally:
         code = stop_serve(proc)
     assert code == 0
     for name in ("router", "scheduler"):
-        assert not alive(info["pids"][name]), f"{name} still running after SIGTERM"
+        assert not pid_alive(info["pids"][name]), f"{name} still running after SIGTERM"
 
 
 def test_sigterm_stops_all_three_and_leaves_no_shared_memory(tmp_path):
@@ -130,6 +108,6 @@ def test_sigterm_stops_all_three_and_leaves_no_shared_memory(tmp_path):
     assert client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2).choices[0].text is not None
     assert stop_serve(proc) == 0
     for name, pid in info["pids"].items():
-        assert not alive(pid), f"{name} still running"
+        assert not pid_alive(pid), f"{name} still running"
         leftovers = [p.name for p in Path("/dev/shm").glob(f"ts-{pid}-*")]
         assert not leftovers, f"{name} left shared memory segments {leftovers}"

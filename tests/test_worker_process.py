@@ -5,18 +5,16 @@ start-up failure tests start their own.
 """
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
+from processes import start_with_ready_file, stop
 from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.sampling_params import SamplingParams
 from shared.shm import SHM_DIR, TensorCodec
@@ -43,34 +41,12 @@ def _segments_of(pid: int) -> list[str]:
 
 def start_worker(tmp: Path, *extra: str, name: str = "worker") -> tuple[subprocess.Popen, str]:
     ready = tmp / f"{name}.ready.json"
-    ready.unlink(missing_ok=True)
-    log = open(tmp / f"{name}.log", "wb")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", MODEL, "--port", "0",
-                             "--kv-memory", KV_MEMORY, "--ready-file", str(ready), *extra],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"worker exited with {proc.returncode}:\n{(tmp / f'{name}.log').read_text()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"worker not ready in 60 s:\n{(tmp / f'{name}.log').read_text()}")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
+    proc, info = start_with_ready_file([sys.executable, "-m", "worker.main", "--model", MODEL, "--port", "0",
+                                        "--kv-memory", KV_MEMORY, "--ready-file", str(ready), *extra],
+                                       ready, tmp / f"{name}.log", timeout=60, env={"PYTHONPATH": str(REPO)},
+                                       name="worker")
     assert info["pid"] == proc.pid
     return proc, info["address"]
-
-
-def stop_worker(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
 
 
 def stub_for(address: str) -> tuple[grpc.Channel, worker_pb2_grpc.WorkerStub]:
@@ -99,7 +75,7 @@ def worker(tmp_path_factory):
     channel, stub = stub_for(address)
     yield proc, address, stub
     channel.close()
-    assert stop_worker(proc) == 0
+    assert stop(proc) == 0
     assert _segments_of(proc.pid) == []
 
 
@@ -274,6 +250,6 @@ def test_kill9_leaves_nothing_after_restart_and_sigterm_exits_clean(tmp_path):
         channel.close()
         assert _segments_of(proc2.pid)
     finally:
-        rc = stop_worker(proc2)
+        rc = stop(proc2)
     assert rc == 0
     assert _segments_of(proc2.pid) == []
