@@ -224,17 +224,20 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         p.score_only = score_only  # type: ignore[attr-defined]
         return p, stream, include_usage
 
+    async def begin(request: Request, prepare):
+        """Parse and validate a request, then start its generation: (prepared, stream?, usage?, events, first event)."""
+        p, stream, include_usage = await prepare(await read_json(request))
+        metrics.prompt_tokens.inc(len(p.prompt_ids))
+        gen = _events(frontend, p)
+        return p, stream, include_usage, gen, await _prime(gen)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         t0 = time.perf_counter()
         endpoint = "/v1/completions"
+        created = int(time.time())
         try:
-            body = await read_json(request)
-            p, stream, include_usage = await prepare_completion(body)
-            metrics.prompt_tokens.inc(len(p.prompt_ids))
-            created = int(time.time())
-            gen = _events(frontend, p)
-            first = await _prime(gen)
+            p, stream, include_usage, gen, first = await begin(request, prepare_completion)
         except FrontendError as exc:
             metrics.count(endpoint, exc.status)
             return _error(exc)
@@ -348,13 +351,9 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
     async def chat_completions(request: Request):
         t0 = time.perf_counter()
         endpoint = "/v1/chat/completions"
+        created = int(time.time())
         try:
-            body = await read_json(request)
-            p, stream, include_usage = await prepare_chat(body)
-            metrics.prompt_tokens.inc(len(p.prompt_ids))
-            created = int(time.time())
-            gen = _events(frontend, p)
-            first = await _prime(gen)
+            p, stream, include_usage, gen, first = await begin(request, prepare_chat)
         except FrontendError as exc:
             metrics.count(endpoint, exc.status)
             return _error(exc)
