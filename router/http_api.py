@@ -107,9 +107,8 @@ def _common_sampling(body: dict) -> dict:
 
 def _usage(f: FinishEvent) -> dict:
     u = {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-         "total_tokens": f.prompt_tokens + f.completion_tokens}
-    if f.cached_tokens:
-        u["prompt_tokens_details"] = {"cached_tokens": f.cached_tokens}
+         "total_tokens": f.prompt_tokens + f.completion_tokens,
+         "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}   # as OpenAI reports prompt caching
     return u
 
 

@@ -39,6 +39,19 @@ class RouterMetrics:
         self.kv_usage = Gauge("tensorserve_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1)", registry=r)
         self.kv_blocks_total = Gauge("tensorserve_kv_blocks_total", "KV blocks in the worker's pool", registry=r)
         self.kv_blocks_free = Gauge("tensorserve_kv_blocks_free", "KV blocks free", registry=r)
+        self.preempted = Gauge("tensorserve_num_requests_preempted",
+                               "Sequences preempted and waiting to be recomputed", registry=r)
+        self.kv_blocks_cached = Gauge("tensorserve_kv_blocks_cached",
+                                      "KV blocks holding a cached prefix (in use or reclaimable)", registry=r)
+        # polled totals, turned into counters (a scheduler restart starts them again from zero)
+        self._totals: dict[str, float] = {}
+        self.totals = {
+            "prefix_cache_queried_tokens": Counter("tensorserve_prefix_cache_queries",
+                                                   "Prompt tokens looked up in the prefix cache", registry=r),
+            "prefix_cache_hit_tokens": Counter("tensorserve_prefix_cache_hits",
+                                               "Prompt tokens whose KV came from the prefix cache", registry=r),
+            "preemptions": Counter("tensorserve_num_preemptions", "Sequences preempted for recompute", registry=r),
+        }
         self.scheduler_up = Gauge("tensorserve_scheduler_up", "1 when the last Stats call to the scheduler succeeded",
                                   registry=r)
 
@@ -55,6 +68,13 @@ class RouterMetrics:
         self.kv_usage.set(stats.kv_used_fraction)
         self.kv_blocks_total.set(stats.kv_blocks_total)
         self.kv_blocks_free.set(stats.kv_blocks_free)
+        self.preempted.set(stats.preempted)
+        self.kv_blocks_cached.set(stats.kv_blocks_cached)
+        for name, counter in self.totals.items():
+            total = float(getattr(stats, name))
+            last = self._totals.get(name, 0.0)
+            counter.inc(total - last if total >= last else total)
+            self._totals[name] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,36 +1,148 @@
-"""KV block metadata: which physical blocks are free and which sequence holds which."""
+"""KV block metadata: free blocks, reference counts and the prefix cache.
+
+A block table is a list of physical block ids. A block held by several tables
+(a shared prefix, a fork) has one reference per table. A *full* block whose K/V
+has been computed is registered under its hash H(parent hash, its token ids,
+model fingerprint), so a later sequence with the same tokens up to and
+including that block can take it instead of recomputing it (vLLM's automatic
+prefix caching). A block nobody references is free, but keeps its contents and
+hash until it is handed out again: free blocks are evicted least recently used
+first, blocks that hold no cached prefix before any that do.
+"""
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
 
 
 class OutOfBlocks(RuntimeError):
     pass
 
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self._free: deque[int] = deque(range(num_blocks))
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None       # set once the block is full, computed and registered
 
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str = ""):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._salt = fingerprint.encode()
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front: evict first
+        self._by_hash: dict[bytes, int] = {}
+        self.queried_tokens = 0          # prompt tokens looked up in the prefix cache, since start
+        self.hit_tokens = 0              # of those, tokens found cached
+
+    # ------------------------------------------------------------------ counts
     @property
     def num_free(self) -> int:
+        """Blocks no table holds (cached ones included: they are reclaimable)."""
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache, held or not."""
+        return len(self._by_hash)
 
     def blocks_needed(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ hashing
+    def block_hash(self, parent: bytes | None, token_ids) -> bytes:
+        h = hashlib.blake2b(parent or b"root", digest_size=16)
+        h.update(self._salt)
+        h.update(np.asarray(token_ids, np.int64).tobytes())
+        return h.digest()
+
+    def extend_hashes(self, chain: list[bytes], tokens: list[int], n_blocks: int) -> list[bytes]:
+        """Grow `chain` (the hashes of the first full blocks of `tokens`) to `n_blocks` entries."""
+        bs = self.block_size
+        for i in range(len(chain), n_blocks):
+            chain.append(self.block_hash(chain[-1] if chain else None, tokens[i * bs:(i + 1) * bs]))
+        return chain
+
+    def lookup(self, chain: list[bytes]) -> list[int]:
+        """Block ids of the longest prefix of `chain` that is cached (no references taken)."""
+        hits = []
+        for h in chain:
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def count_unheld(self, block_ids: list[int]) -> int:
+        """How many of these blocks sit in the free list (taking them uses up free blocks)."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    # ------------------------------------------------------------------ tables
+    def acquire(self, table: list[int], block_ids: list[int]) -> None:
+        """Append cached blocks to `table`, taking a reference on each."""
+        for b in block_ids:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self._free[b]
+            block.ref_count += 1
+            table.append(b)
 
     def can_grow(self, table: list[int], n_tokens: int) -> bool:
         return self.blocks_needed(n_tokens) - len(table) <= len(self._free)
 
     def grow(self, table: list[int], n_tokens: int) -> None:
-        """Append blocks to `table` until it holds `n_tokens` tokens."""
+        """Append fresh blocks to `table` until it holds `n_tokens` tokens."""
         missing = self.blocks_needed(n_tokens) - len(table)
         if missing > len(self._free):
             raise OutOfBlocks(f"need {missing} KV blocks, {len(self._free)} free")
         for _ in range(missing):
-            table.append(self._free.popleft())
+            b, _ = self._free.popitem(last=False)
+            block = self.blocks[b]
+            if block.hash is not None:                    # evict its cached prefix
+                if self._by_hash.get(block.hash) == b:
+                    del self._by_hash[block.hash]
+                block.hash = None
+            block.ref_count = 1
+            table.append(b)
 
-    def free(self, table: list[int]) -> None:
-        self._free.extend(table)
+    def fork(self, table: list[int], n_tokens: int) -> list[int]:
+        """A new table sharing the full blocks of `table`'s first `n_tokens` tokens (the partial
+        tail is not shared: the child recomputes it into a block of its own)."""
+        child: list[int] = []
+        self.acquire(child, table[:n_tokens // self.block_size])
+        return child
+
+    def commit(self, table: list[int], chain: list[bytes], start: int, end: int) -> None:
+        """Register blocks table[start:end], now full and computed, under chain[start:end]."""
+        for i in range(start, end):
+            block = self.blocks[table[i]]
+            if block.hash is None and chain[i] not in self._by_hash:
+                block.hash = chain[i]
+                self._by_hash[chain[i]] = block.block_id
+
+    def free(self, table: list[int]) -> int:
+        """Drop `table`'s references; returns how many blocks became free. The tail is released
+        first, so under pressure a prefix's last blocks are evicted before its first."""
+        released = 0
+        for b in reversed(table):
+            block = self.blocks[b]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"KV block {b} freed twice")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                released += 1
+                self._free[b] = None
+                if block.hash is None:                    # holds nothing reusable: hand it out first
+                    self._free.move_to_end(b, last=False)
         table.clear()
+        return released
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after the worker lost its KV)."""
+        for block in self.blocks:
+            block.hash = None
+        self._by_hash.clear()

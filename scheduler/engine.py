@@ -1,5 +1,14 @@
-"""The engine loop: each step packs running decodes and prefill chunks under a token
-budget, sends one StepRequest to the worker and folds the sampled tokens back in."""
+"""The engine loop: iteration-level scheduling over a paged KV cache with prefix sharing.
+
+Each step packs the running decodes, then unfinished prefills in chunks, then
+newly admitted prompts (preempted ones first, then waiting ones, strictly in
+arrival order) under a token budget (--max-num-batched-tokens) and a sequence
+limit (--max-num-seqs); sends one StepRequest to the worker and folds the
+sampled tokens back in. A prompt whose leading full blocks are in the prefix
+cache starts after them. When a running sequence needs a block and none is
+free, the most recently arrived running sequence is preempted: its blocks are
+released (they stay in the prefix cache) and it is recomputed later.
+"""
 from __future__ import annotations
 
 import logging
@@ -19,13 +28,16 @@ Executor = Callable[[StepRequest], StepResult]
 
 class Engine:
     def __init__(self, executor: Executor, num_blocks: int, block_size: int, max_context: int,
-                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64):
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 fingerprint: str = "", enable_prefix_caching: bool = True):
         self.executor = executor
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, fingerprint)
         self.max_context = max_context
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
+        self.preempted: list[Sequence] = []            # resumed before any waiting one, oldest first
         self.running: list[Sequence] = []
         self._finished_ids: list[int] = []
         self.num_preemptions = 0                       # since start: sequences sent back to recompute
@@ -37,20 +49,16 @@ class Engine:
         self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> None:
-        for seq in list(self.waiting) + self.running:
+        for seq in list(self.waiting) + self.preempted + self.running:
             if seq.seq_id == seq_id:
                 seq.finish_reason = "abort"
                 self._finish(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.preempted or self.running)
 
     # ------------------------------------------------------------------------
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        """Pick this step's work: decodes first, then running prefills, then new prompts, each
-        under the token budget and the free KV blocks. When a running sequence needs a block and
-        none is free, the newest running sequence is preempted: its blocks are freed and it goes
-        back to the front of the waiting queue, to be recomputed (prompt + output so far) later."""
         budget = self.max_num_batched_tokens
         plan: list[tuple[Sequence, int]] = []
         planned: set[int] = set()
@@ -67,10 +75,10 @@ class Engine:
                 victims = [s for s in self.running if s is not seq and s.seq_id not in planned]
                 if not victims:
                     return False
-                free += self._preempt(victims[-1])
+                free += self._preempt(max(victims, key=lambda s: s.arrival))
             return True
 
-        for seq in list(self.running):                 # decodes first: they keep latency low
+        for seq in sorted(self.running, key=lambda s: s.arrival):   # decodes first: they keep latency low
             if seq not in self.running or budget <= 0:
                 continue
             if seq.num_computed == seq.num_tokens - 1:
@@ -82,7 +90,7 @@ class Engine:
                 planned.add(seq.seq_id)
                 free -= k
                 budget -= 1
-        for seq in list(self.running):                 # then unfinished prefills
+        for seq in list(self.running):                 # then unfinished prefills, in chunks
             if seq not in self.running or seq.seq_id in planned:
                 continue
             remaining = seq.num_tokens - seq.num_computed
@@ -97,65 +105,80 @@ class Engine:
                 planned.add(seq.seq_id)
                 free -= need(seq, n)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_tokens, budget)
-            if need(seq, n) > free:
+        while budget > 0 and len(self.running) < self.max_num_seqs:   # then admit, oldest first
+            queue = self.preempted if self.preempted else self.waiting
+            if not queue:
                 break
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            seq = queue[0]
+            hits = self._cached_prefix(seq)
+            start = len(hits) * bs
+            n = min(seq.num_tokens - start, budget)
+            cost = self.blocks.blocks_needed(start + n) - len(hits) + self.blocks.count_unheld(hits)
+            if cost > free:
+                break                                  # no skipping ahead: nobody starves
+            queue.remove(seq) if queue is self.preempted else queue.popleft()
+            self._admit(seq, hits)
             plan.append((seq, n))
             planned.add(seq.seq_id)
-            free -= need(seq, n)
+            free -= cost
             budget -= n
         for seq, n in plan:
             self.blocks.grow(seq.block_table, seq.num_computed + n)
         return plan
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks a new sequence can start from: full blocks only, leaving at least one
+        token to compute (its logits are needed); none when every prompt position must be scored."""
+        if not self.enable_prefix_caching or seq.score_top_k:
+            return []
+        n_blocks = (seq.num_tokens - 1) // self.blocks.block_size
+        self.blocks.extend_hashes(seq.block_hashes, seq.tokens, n_blocks)
+        return self.blocks.lookup(seq.block_hashes[:n_blocks])
+
+    def _admit(self, seq: Sequence, hits: list[int]) -> None:
+        self.blocks.acquire(seq.block_table, hits)
+        seq.num_committed_blocks = len(hits)            # cached blocks are registered already
+        seq.num_computed = len(hits) * self.blocks.block_size
+        seq.send_prefix = seq.num_computed > 0
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = seq.num_computed
+            if self.enable_prefix_caching and not seq.score_top_k:
+                self.blocks.queried_tokens += len(seq.prompt)
+                self.blocks.hit_tokens += seq.num_computed
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     def _preempt(self, seq: Sequence) -> int:
-        """Free a running sequence's blocks and queue it for recompute; returns the blocks freed."""
-        freed = len(seq.block_table)
-        self.blocks.free(seq.block_table)
+        """Release a running sequence's blocks and queue it for recompute; returns the blocks freed."""
+        freed = self.blocks.free(seq.block_table)
         self.running.remove(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_committed_blocks = 0
         seq.prompt_scores.clear()                      # recomputed with the prompt
-        seq.status = Status.WAITING
+        seq.status = Status.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.preempted.append(seq)
+        self.preempted.sort(key=lambda s: s.arrival)
         log.info("KV blocks exhausted: preempted sequence %d (%d tokens, recomputed later; %d preemptions so far)",
                  seq.seq_id, seq.num_tokens, self.num_preemptions)
         return freed
 
+    # ------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one iteration; returns the sequences that made progress visible to clients."""
         plan = self._schedule()
         if not plan:
-            if self.running or self.waiting:
+            if self.has_work():
                 raise RuntimeError("no sequence could be scheduled: the KV pool is too small for the waiting prompt")
             return []
-        chunks = []
-        for seq, n in plan:
-            start = seq.num_computed
-            done_prompt = start + n >= len(seq.prompt)
-            chunks.append(SeqChunk(
-                seq_id=seq.seq_id,
-                token_ids=np.asarray(seq.tokens[start:start + n], np.int64),
-                start_pos=start,
-                block_table=np.asarray(seq.block_table, np.int32),
-                prompt_len=len(seq.prompt),
-                sample=done_prompt and start + n == seq.num_tokens and seq.params.max_tokens > 0
-                and (not seq.score_top_k or seq.generate_after_score),
-                params=seq.params,
-                score_top_k=seq.score_top_k if start < len(seq.prompt) else 0,
-            ))
+        chunks = [self._chunk(seq, n) for seq, n in plan]
         result = self.executor(StepRequest(chunks, finished=self._finished_ids))
         self._finished_ids = []
         by_id = {r.seq_id: r for r in result.results}
         progressed = []
         for (seq, n), chunk in zip(plan, chunks):
             seq.num_computed += n
+            self._commit_full_blocks(seq)
             r = by_id[seq.seq_id]
             if r.score_ids is not None:
                 seq.prompt_scores.extend(zip(r.score_ids, r.score_logprobs))
@@ -173,11 +196,40 @@ class Engine:
                 self._finish(seq)
         return progressed
 
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        start = seq.num_computed
+        tokens = seq.tokens
+        done_prompt = start + n >= len(seq.prompt)
+        chunk = SeqChunk(
+            seq_id=seq.seq_id,
+            token_ids=np.asarray(tokens[start:start + n], np.int64),
+            start_pos=start,
+            block_table=np.asarray(seq.block_table, np.int32),
+            prompt_len=len(seq.prompt),
+            sample=done_prompt and start + n == seq.num_tokens and seq.params.max_tokens > 0
+            and (not seq.score_top_k or seq.generate_after_score),
+            params=seq.params,
+            score_top_k=seq.score_top_k if start < len(seq.prompt) else 0,
+            prefix_ids=np.asarray(tokens[:start], np.int64) if seq.send_prefix else None,
+        )
+        seq.send_prefix = False
+        return chunk
+
+    def _commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks this step filled, so later prompts can share them."""
+        full = seq.num_computed // self.blocks.block_size
+        if full > seq.num_committed_blocks and self.enable_prefix_caching:
+            self.blocks.extend_hashes(seq.block_hashes, seq.tokens, full)
+            self.blocks.commit(seq.block_table, seq.block_hashes, seq.num_committed_blocks, full)
+            seq.num_committed_blocks = full
+
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
         self.blocks.free(seq.block_table)
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.preempted:
+            self.preempted.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._finished_ids.append(seq.seq_id)

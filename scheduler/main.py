@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=int(_env("TS_MAX_NUM_BATCHED_TOKENS", 512)),
                         help="tokens computed per step at most (prefill chunk budget) "
                              "[env TS_MAX_NUM_BATCHED_TOKENS, default 512]")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=_env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
+                        help="reuse the KV of full blocks shared with earlier prompts "
+                             "[env TS_ENABLE_PREFIX_CACHING, default on]")
     parser.add_argument("--tensor-transport", choices=("auto", "shm", "inline"),
                         default=_env("TS_TENSOR_TRANSPORT", "auto"),
                         help="how step tensors travel: shared memory (same host), inline bytes, or auto "
@@ -86,7 +90,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from scheduler.server import SchedulerCore, build_server
 
     core = SchedulerCore(args.worker, args.tensor_transport, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens)
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         enable_prefix_caching=args.enable_prefix_caching)
     server, port = build_server(core, args.host, args.port)
     await server.start()
     core.start()

@@ -8,11 +8,13 @@ from enum import Enum
 from shared.sampling_params import SamplingParams
 
 _ids = itertools.count()
+_arrivals = itertools.count()
 
 
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"
     FINISHED = "finished"
 
 
@@ -30,8 +32,13 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple] = field(default_factory=list)
     prompt_scores: list[tuple] = field(default_factory=list)
+    arrival: int = field(default_factory=lambda: next(_arrivals))   # first-come-first-served order
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0                      # tokens whose K/V is in the cache
+    block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache hashes of its full blocks
+    num_committed_blocks: int = 0              # leading blocks registered in the prefix cache
+    num_cached_tokens: int = -1                # prompt tokens taken from the prefix cache (first admission)
+    send_prefix: bool = False                  # next chunk carries tokens [0, start): the worker may not have them
     status: Status = Status.WAITING
     num_preemptions: int = 0                   # times its KV was dropped to be recomputed
     finish_reason: str | None = None

@@ -87,12 +87,13 @@ class SchedulerCore:
     """The engine loop thread and everything the gRPC handlers share with it."""
 
     def __init__(self, worker_address: str | None, transport: str | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  retry_initial_s: float = 0.2, retry_max_s: float = 2.0):
         self.worker_address = worker_address
         self.transport = transport
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
         self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
         self._cond = threading.Condition()
         self._inbox: deque[tuple] = deque()
@@ -253,8 +254,7 @@ class SchedulerCore:
             client.close()
             log.warning("cannot dial worker at %s: %s", address, exc)
             return False
-        engine = Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
-                        max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)
+        engine = self._new_engine(d)
         with self._cond:
             if self.client is not None:
                 self.client.close()
@@ -266,6 +266,11 @@ class SchedulerCore:
                  "tensors %s", d.model_name, address, d.architecture, d.backend, d.num_blocks, d.block_size,
                  d.max_context, d.vocab_size, client.transport)
         return True
+
+    def _new_engine(self, d) -> Engine:
+        return Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
+                      max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                      fingerprint=d.fingerprint, enable_prefix_caching=self.enable_prefix_caching)
 
     def _on_worker_failure(self, exc: WorkerFailure) -> None:
         message = str(exc)
@@ -281,8 +286,7 @@ class SchedulerCore:
         old = self.engine
         self._fail_everything(code, message, drop_engine=False)
         d = self.description
-        engine = Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
-                        max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)
+        engine = self._new_engine(d)
         # the worker may drop what it remembers of the old engine's sequences
         engine._finished_ids = [s.seq_id for s in list(old.waiting) + list(old.running)] + old._finished_ids
         with self._cond:
@@ -344,9 +348,12 @@ class SchedulerCore:
         e = self.engine
         if e is not None:
             total, free = e.blocks.num_blocks, e.blocks.num_free
-            preempted = sum(1 for q in e.waiting if q.num_preemptions)
-            s.running, s.waiting, s.preempted = len(e.running), len(e.waiting) - preempted, preempted
+            s.running, s.waiting, s.preempted = len(e.running), len(e.waiting), len(e.preempted)
             s.kv_blocks_total, s.kv_blocks_free = total, free
+            s.kv_blocks_cached = e.blocks.num_cached
+            s.prefix_cache_queried_tokens = e.blocks.queried_tokens
+            s.prefix_cache_hit_tokens = e.blocks.hit_tokens
+            s.preemptions = e.num_preemptions
             s.kv_used_fraction = (total - free) / total if total else 0.0
             s.block_size, s.max_context = e.blocks.block_size, e.max_context
         self._snapshot = s
@@ -355,7 +362,8 @@ class SchedulerCore:
     @staticmethod
     def _usage(seq: Sequence) -> common_pb2.Usage:
         p, c = len(seq.prompt), len(seq.output)
-        return common_pb2.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, cached_tokens=0)
+        return common_pb2.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                                cached_tokens=max(0, seq.num_cached_tokens))
 
     def _final_event(self, seq: Sequence, reason: str, code: str = "", message: str = "") -> scheduler_pb2.SubmitEvent:
         ev = scheduler_pb2.SubmitEvent(finish_reason=FINISH[reason], usage=self._usage(seq))

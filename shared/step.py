@@ -22,6 +22,9 @@ class SeqChunk:
     sample: bool = True            # draw the next token after this chunk
     params: SamplingParams | None = None   # needed whenever sample is True
     score_top_k: int = 0           # > 0: top-k logprobs at every position of the chunk (scoring, echo)
+    # tokens at positions [0, start_pos) when the worker may not have seen them (a prompt whose
+    # prefix came from the prefix cache): penalties need the whole history
+    prefix_ids: np.ndarray | None = None
 
 
 @dataclass

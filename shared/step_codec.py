@@ -8,6 +8,8 @@ previous one (true of Step: one request, one response).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from protos.tensorserve.v1 import common_pb2, worker_pb2
 from shared.sampling_params import SamplingParams
 from shared.shm import TensorCodec
@@ -73,6 +75,8 @@ def step_request_to_proto(request: StepRequest, codec: TensorCodec | None = None
         if c.params is not None:
             sampling_params_to_proto(c.params, m.params)
         m.score_top_k = int(c.score_top_k)
+        if c.prefix_ids is not None:
+            codec.encode_into(np.asarray(c.prefix_ids, np.int64), m.prefix_ids)
     msg.finished[:] = [int(s) for s in request.finished]
     return msg
 
@@ -89,6 +93,7 @@ def step_request_from_proto(msg: worker_pb2.StepRequest, codec: TensorCodec | No
             sample=m.sample,
             params=sampling_params_from_proto(m.params) if m.HasField("params") else None,
             score_top_k=m.score_top_k,
+            prefix_ids=codec.decode(m.prefix_ids) if m.HasField("prefix_ids") else None,
         )
         for m in msg.chunks
     ]

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences running at once [env TS_MAX_NUM_SEQS, default 64]")
     p.add_argument("--max-num-batched-tokens", default=env("TS_MAX_NUM_BATCHED_TOKENS", "512"),
                    help="tokens per engine step [env TS_MAX_NUM_BATCHED_TOKENS, default 512]")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
+                   help="reuse the KV of full blocks shared with earlier prompts [env TS_ENABLE_PREFIX_CACHING, "
+                        "default on]")
     p.add_argument("--grace-period", type=float, default=float(env("TS_GRACE_PERIOD", "10")),
                    help="seconds in-flight requests get to finish on shutdown [env TS_GRACE_PERIOD, default 10]")
     p.add_argument("--ready-file", default=env("TS_READY_FILE"),
@@ -101,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
             scheduler = Child("scheduler", ["--worker", worker_addr, "--port", "0",
                                             "--max-num-seqs", str(args.max_num_seqs),
                                             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                                            "--enable-prefix-caching" if args.enable_prefix_caching
+                                            else "--no-enable-prefix-caching",
                                             "--grace-period", str(args.grace_period)], ready_dir)
             children.append(scheduler)
             scheduler_addr = scheduler.wait_ready([worker])["address"]

@@ -251,20 +251,21 @@ def test_sigterm_finishes_in_flight_then_exits(fragile):
 
 
 def test_kv_exhaustion_preempts_and_output_is_unchanged(stack):
-    # 91 blocks of 16 tokens (64 MiB): three 470-token prompts growing by 30 tokens cannot all fit
-    prompt = ((CASE["prompt_tokens"] + CASE["greedy_continuation"]) * 50)[:470]
-    assert len(prompt) == 470
-    solo, _, _ = collect(stack, submit_request(prompt, 30, ignore_eos=True))
+    # 91 blocks of 16 tokens (64 MiB): three 470-token prompts growing by 30 tokens cannot all fit;
+    # they differ from their first token on, so the prefix cache cannot share any of their blocks
+    text = ((CASE["prompt_tokens"] + CASE["greedy_continuation"]) * 50)[:469]
+    prompts = [[100 + i] + text for i in range(3)]
+    solos = [collect(stack, submit_request(p, 30, ignore_eos=True))[0] for p in prompts]
     results: dict[int, list[int]] = {}
 
     def run(i):
-        results[i] = collect(stack, submit_request(prompt, 30, request_id=f"p{i}", ignore_eos=True))[0]
+        results[i] = collect(stack, submit_request(prompts[i], 30, request_id=f"p{i}", ignore_eos=True))[0]
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(200)
-    assert [results.get(i) for i in range(3)] == [solo] * 3
+    assert [results.get(i) for i in range(3)] == solos
     assert "preempted sequence" in stack.log_path.read_text()
     s = stack.Stats(scheduler_pb2.StatsRequest())
     assert s.kv_blocks_free == s.kv_blocks_total and s.running == s.waiting == s.preempted == 0

@@ -124,6 +124,14 @@ class ModelRunner:
         if c.params is not None and state.params is None:
             state.params = c.params
             state.generator = make_generator(c.params.seed)
+        if c.prefix_ids is not None:
+            if len(c.prefix_ids) != c.start_pos:
+                raise ValueError(f"sequence {c.seq_id}: prefix_ids holds {len(c.prefix_ids)} tokens, "
+                                 f"start_pos is {c.start_pos}")
+            state.tokens[:] = (int(t) for t in c.prefix_ids)
+        elif len(state.tokens) < c.start_pos:
+            raise ValueError(f"sequence {c.seq_id} starts at position {c.start_pos} but the worker has seen "
+                             f"{len(state.tokens)} of its tokens: send prefix_ids")
         del state.tokens[c.start_pos:]
         state.tokens.extend(int(t) for t in c.token_ids)
         state.prompt_len = c.prompt_len

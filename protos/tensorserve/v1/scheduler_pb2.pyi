@@ -64,7 +64,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("running", "waiting", "preempted", "kv_blocks_total", "kv_blocks_free", "kv_used_fraction", "tokens_computed", "steps", "block_size", "max_context")
+    __slots__ = ("running", "waiting", "preempted", "kv_blocks_total", "kv_blocks_free", "kv_used_fraction", "tokens_computed", "steps", "block_size", "max_context", "kv_blocks_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "preemptions")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,10 @@ class StatsResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     preempted: int
@@ -85,7 +89,11 @@ class StatsResponse(_message.Message):
     steps: int
     block_size: int
     max_context: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., preempted: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_used_fraction: _Optional[float] = ..., tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    kv_blocks_cached: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    preemptions: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., preempted: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_used_fraction: _Optional[float] = ..., tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "address", "hostname")

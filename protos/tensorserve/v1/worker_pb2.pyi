@@ -36,7 +36,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k")
+    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class SeqChunk(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SCORE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _common_pb2.Tensor
     start_pos: int
@@ -53,7 +54,8 @@ class SeqChunk(_message.Message):
     sample: bool
     params: _common_pb2.SamplingParams
     score_top_k: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ...) -> None: ...
+    prefix_ids: _common_pb2.Tensor
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("chunks", "finished", "step_id")

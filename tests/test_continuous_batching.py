@@ -1,0 +1,186 @@
+"""Iteration-level scheduling and prefix sharing with the real SmolLM2 model in process.
+
+Every comparison is against the same prompt run alone, greedy, on an engine
+with the prefix cache off: batching, chunked prefill, preemption and prefix
+reuse must not change a single token.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import load_fixture
+from scheduler.engine import Engine
+from scheduler.sequence import Sequence
+from shared.sampling_params import SamplingParams
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def runner(engines):
+    return engines(MODEL).runner
+
+
+def make_engine(runner, num_blocks: int | None = None, **kw) -> Engine:
+    cap = runner.capacity
+    return Engine(runner.execute, num_blocks or cap.num_blocks, cap.block_size, cap.max_context,
+                  fingerprint=runner.config.fingerprint, **kw)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def alone(runner, prompt: list[int], n: int) -> list[int]:
+    engine = make_engine(runner, enable_prefix_caching=False)
+    seq = Sequence(list(prompt), greedy(n))
+    engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    return seq.output
+
+
+def sixteen_requests() -> list[tuple[list[int], int]]:
+    fx = load_fixture(MODEL)
+    prompts = [c["prompt_tokens"] for c in fx["generate"] if len(c["prompt_tokens"]) < 200]
+    prompts += [t["tokens_add_special"] for t in fx["tokenize"] if len(t["tokens_add_special"]) >= 5]
+    rng = random.Random(4)
+    chosen = prompts[:16]
+    assert len(chosen) == 16 and len({len(p) for p in chosen}) >= 10
+    return [(p, rng.randint(4, 20)) for p in chosen]
+
+
+def run_with_arrivals(engine: Engine, requests, seed: int = 0):
+    """Requests join at random steps while others are running; returns the sequences and the
+    largest batch seen."""
+    rng = random.Random(seed)
+    arrivals = sorted((rng.randint(0, 25), i) for i in range(len(requests)))
+    seqs = [Sequence(list(p), greedy(n)) for p, n in requests]
+    step = widest = 0
+    while arrivals or engine.has_work():
+        while arrivals and arrivals[0][0] <= step:
+            engine.add(seqs[arrivals.pop(0)[1]])
+        engine.step()
+        widest = max(widest, len(engine.running))
+        step += 1
+    return seqs, widest
+
+
+def assert_no_block_held(engine: Engine) -> None:
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert all(b.ref_count == 0 for b in engine.blocks.blocks)
+
+
+def test_sixteen_requests_arriving_at_random_moments_get_their_solo_tokens(runner):
+    requests = sixteen_requests()
+    solo = [alone(runner, p, n) for p, n in requests]
+    engine = make_engine(runner, max_num_batched_tokens=48)      # prompts prefill in chunks beside decodes
+    seqs, widest = run_with_arrivals(engine, requests)
+    assert widest >= 8
+    assert [s.output for s in seqs] == solo
+    assert engine.num_preemptions == 0
+    assert_no_block_held(engine)
+
+
+def test_a_pool_too_small_preempts_and_outputs_do_not_change(runner):
+    requests = sixteen_requests()
+    solo = [alone(runner, p, n) for p, n in requests]
+    longest = max(len(p) + n for p, n in requests)
+    num_blocks = -(-longest // runner.capacity.block_size) + 4    # one long sequence fits, sixteen do not
+    engine = make_engine(runner, num_blocks=num_blocks, max_num_batched_tokens=48)
+    seqs, _ = run_with_arrivals(engine, requests, seed=1)
+    assert engine.num_preemptions > 0
+    assert any(s.num_preemptions for s in seqs)
+    assert [s.output for s in seqs] == solo
+    assert_no_block_held(engine)
+
+
+def test_a_shared_1000_token_prefix_is_computed_once(runner):
+    text = next(c["prompt_tokens"] for c in load_fixture(MODEL)["generate"] if len(c["prompt_tokens"]) > 1000)
+    prefix = text[:1000]
+    first, second = prefix + text[1000:1010], prefix + text[1050:1063]
+    engine = make_engine(runner)
+    bs = engine.blocks.block_size
+
+    def computed_by_worker(prompt: list[int]) -> tuple[int, Sequence]:
+        before = runner.tokens_computed
+        seq = Sequence(list(prompt), greedy(1))
+        engine.add(seq)
+        while engine.has_work():
+            engine.step()
+        return runner.tokens_computed - before, seq
+
+    n1, s1 = computed_by_worker(first)
+    n2, s2 = computed_by_worker(second)
+    reusable = (1000 // bs) * bs                                  # the full blocks of the shared prefix
+    assert n1 == len(first) and s1.num_cached_tokens == 0
+    assert s2.num_cached_tokens == reusable
+    assert n2 == len(second) - reusable                           # only the suffix (and the prefix's partial block)
+    assert engine.blocks.hit_tokens == reusable and engine.blocks.queried_tokens == len(first) + len(second)
+    assert s2.output == alone(runner, second, 1)
+    # a prompt that is entirely cached still computes its last token, for its logits
+    n3, s3 = computed_by_worker(second)
+    assert s3.num_cached_tokens == ((len(second) - 1) // bs) * bs and n3 == len(second) - s3.num_cached_tokens
+    assert s3.output == s2.output
+
+
+def test_reuse_extends_into_generated_tokens(runner):
+    """A follow-up prompt that repeats an earlier prompt and its answer (a multi-turn chat) reuses
+    the blocks the answer's tokens filled during decoding."""
+    text = next(c["prompt_tokens"] for c in load_fixture(MODEL)["generate"] if len(c["prompt_tokens"]) > 1000)
+    engine = make_engine(runner)
+    turn1 = Sequence(list(text[:40]), greedy(40))
+    engine.add(turn1)
+    while engine.has_work():
+        engine.step()
+    turn2 = Sequence(turn1.prompt + turn1.output + text[40:45], greedy(3))
+    engine.add(turn2)
+    while engine.has_work():
+        engine.step()
+    assert turn2.num_cached_tokens == (79 // 16) * 16 > len(turn1.prompt)
+    assert turn2.output == alone(runner, turn2.prompt, 3)
+
+
+def test_abort_at_any_point_releases_every_block(runner):
+    fx = load_fixture(MODEL)
+    long_prompt = next(c["prompt_tokens"] for c in fx["generate"] if len(c["prompt_tokens"]) > 1000)[:600]
+    short = fx["generate"][1]["prompt_tokens"]
+    engine = make_engine(runner, max_num_batched_tokens=128)
+    waiting = Sequence(list(short) + [5], greedy(50))
+    prefilling = Sequence(list(long_prompt), greedy(50))
+    decoding = Sequence(list(short), greedy(50))
+    keeps = Sequence(list(short) + [7, 8], greedy(8))
+    for s in (decoding, keeps, prefilling):
+        engine.add(s)
+    engine.step()
+    engine.step()
+    engine.add(waiting)
+    assert decoding.output and prefilling.num_computed < len(prefilling.prompt) and waiting in engine.waiting
+    for s in (prefilling, decoding, waiting):
+        engine.abort(s.seq_id)
+        assert s.finish_reason == "abort" and s.block_table == []
+    held = sum(len(s.block_table) for s in engine.running)
+    assert engine.running == [keeps] and engine.blocks.num_free == engine.blocks.num_blocks - held
+    while engine.has_work():
+        engine.step()
+    assert keeps.output == alone(runner, keeps.prompt, 8)
+    assert_no_block_held(engine)
+
+
+def test_first_come_first_served_nobody_starves(runner):
+    """With room for one sequence at a time, requests finish in arrival order: a later, shorter
+    request never overtakes one that arrived before it."""
+    fx = load_fixture(MODEL)
+    prompts = [c["prompt_tokens"] for c in fx["generate"] if len(c["prompt_tokens"]) < 60]
+    engine = make_engine(runner, max_num_seqs=1)
+    seqs = [Sequence(list(p), greedy(3 + i)) for i, p in enumerate(prompts)]
+    for s in seqs:
+        engine.add(s)
+    order = []
+    while engine.has_work():
+        for s in engine.step():
+            if s.finish_reason:
+                order.append(s)
+    assert order == seqs
