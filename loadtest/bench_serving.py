@@ -5,7 +5,7 @@ ignore_eos, max_tokens 64.
 Workloads:
   random         for each concurrency c (default 1,4,16,32), max(8, 2c) requests,
                  at most c in flight (closed loop, all queued at t0). Prompts are
-                 ~128 tokens of random words, distinct from the first word on and
+                 ~128 tokens (127 words) of random words, distinct from the first word on and
                  fresh each run, so no prefix cache can help. Reported per level:
                  output tok/s (all output tokens / wall time of the level), TTFT
                  p50/p99, ITL p50/p99 (gaps between streamed content chunks, pooled
@@ -20,8 +20,8 @@ its error reported; if every request fails the exit status is 1.
 Output tokens come from usage.completion_tokens (stream_options.include_usage),
 or, where the server sends no usage, from the number of content chunks. ITL is
 per chunk: a server that puts several tokens in one chunk shows fewer, longer gaps.
-The words are common ones, mostly one token each for SmolLM2 (100 words = ~101
-prompt tokens, 780 = ~800); --prompt-words 127 --prefix-words 975 give 128 and 1000.
+The words are common ones, mostly one token each for SmolLM2: the defaults
+--prompt-words 127 --prefix-words 975 give ~128 and ~1000 prompt tokens.
 
 Against TensorServe, started here (`tensorserve serve` on free ports, stopped at the end):
     python loadtest/bench_serving.py [--concurrency 1,4,16,32] [--json] [--out r.json]
@@ -319,8 +319,8 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--workloads", default="random,shared_prefix")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompt-words", type=int, default=100)
-    ap.add_argument("--prefix-words", type=int, default=780)
+    ap.add_argument("--prompt-words", type=int, default=127)
+    ap.add_argument("--prefix-words", type=int, default=975)
     ap.add_argument("--prefix-max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, help="prompt seed; default from the clock, so prompts are fresh each run")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")

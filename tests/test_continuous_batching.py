@@ -184,3 +184,37 @@ def test_first_come_first_served_nobody_starves(runner):
             if s.finish_reason:
                 order.append(s)
     assert order == seqs
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_the_running_decodes(runner):
+    """Every step while a long prompt prefills still carries each running decode, and no step
+    exceeds the token budget (loadtest/bench_chunked_prefill.py measures what this does to latency)."""
+    fx = load_fixture(MODEL)
+    long_prompt = next(c["prompt_tokens"] for c in fx["generate"] if len(c["prompt_tokens"]) > 1000)[:600]
+    steps = []
+
+    def recording(request):
+        steps.append([(c.seq_id, len(c.token_ids)) for c in request.chunks])
+        return runner.execute(request)
+    cap = runner.capacity
+    engine = Engine(recording, cap.num_blocks, cap.block_size, cap.max_context, max_num_batched_tokens=128,
+                    fingerprint=runner.config.fingerprint)
+    streams = [Sequence(list(c["prompt_tokens"]), greedy(60)) for c in fx["generate"][:4]]
+    for s in streams:
+        engine.add(s)
+    while any(not s.output for s in streams):
+        engine.step()
+    long_seq = Sequence(list(long_prompt), greedy(1))
+    engine.add(long_seq)
+    first = len(steps)
+    while not long_seq.output:
+        engine.step()
+    prefill_steps = steps[first:]
+    ids = {s.seq_id for s in streams}
+    assert len(prefill_steps) == -(-600 // (128 - 4))            # chunks of what the decodes leave
+    for step in prefill_steps:
+        assert sum(n for _, n in step) <= 128
+        assert {sid for sid, n in step if n == 1} >= ids           # every stream decoded in every step
+        assert any(sid == long_seq.seq_id and n > 1 for sid, n in step)
+    for s in streams:
+        engine.abort(s.seq_id)

@@ -369,6 +369,28 @@ def test_health_models_metrics(stack):
     assert 'endpoint="/v1/completions",status="200"' in m.text
 
 
+def test_multi_turn_chat_reuses_the_previous_turn(stack):
+    if stack.kind != "real":
+        pytest.skip("the prefix cache lives in the real scheduler")
+    c = stack.client()
+    system = ("You are a patient tutor for a class of eleven-year-olds learning about the water cycle, "
+              "weather, rivers and oceans. Answer in two short sentences, use simple words, and end "
+              "every answer with a question that makes the student think about their own town.")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Why does it rain?"}]
+    first = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And where does the water go after that?"}]
+    second = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # at least the first turn's prompt, in whole 16-token blocks, came from the prefix cache
+    assert (first.usage.prompt_tokens // 16) * 16 <= cached < second.usage.prompt_tokens
+    m = httpx.get(stack.base + "/metrics", timeout=10).text
+    hits = [line for line in m.splitlines() if line.startswith("tensorserve_prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= cached
+    assert "tensorserve_prefix_cache_queries_total" in m and "tensorserve_kv_blocks_cached" in m
+
+
 def test_error_mid_stream_ends_the_stream_with_an_error(stack):
     if stack.kind != "fake":
         pytest.skip("needs the fake scheduler's failure injection")

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import socket
 import threading
+import time
 from collections import OrderedDict
 from concurrent import futures
 
@@ -146,9 +147,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self._closed:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
             try:
+                t0 = time.perf_counter()
                 step = step_request_from_proto(request, self._decoder)
                 self._validate(step)
+                t1 = time.perf_counter()
                 result = self.runner.execute(step)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("step %d: %d chunks, %d tokens, decode+validate %.1f ms, execute %.1f ms",
+                              request.step_id, len(step.chunks), result.tokens_computed, (t1 - t0) * 1e3,
+                              (time.perf_counter() - t1) * 1e3)
             except (BadStep, ValueError, TypeError, FileNotFoundError, IndexError) as exc:
                 log.warning("step %d refused: %s", request.step_id, exc)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
