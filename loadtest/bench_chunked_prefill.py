@@ -5,7 +5,7 @@ Eight greedy streams decode on the in-process engine (SmolLM2) while a
 
   baseline   the eight streams alone;
   chunked    the long prompt arrives and is prefilled in chunks of at most
-             --max-num-batched-tokens (default 512) mixed with the decodes;
+             --max-num-batched-tokens (default 256, the server's) mixed with the decodes;
   unchunked  the same with a budget that takes the whole prompt in one step
              (what a server without chunked prefill does).
 
@@ -72,7 +72,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--long", type=int, default=4000, help="tokens of the arriving prompt")
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 

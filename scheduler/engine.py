@@ -28,7 +28,7 @@ Executor = Callable[[StepRequest], StepResult]
 
 class Engine:
     def __init__(self, executor: Executor, num_blocks: int, block_size: int, max_context: int,
-                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  fingerprint: str = "", enable_prefix_caching: bool = True):
         self.executor = executor
         self.blocks = BlockManager(num_blocks, block_size, fingerprint)

@@ -31,9 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(RegisterWorker) [env TS_WORKER_ADDRESS]")
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("TS_MAX_NUM_SEQS", 64)),
                         help="sequences running at once at most [env TS_MAX_NUM_SEQS, default 64]")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=int(_env("TS_MAX_NUM_BATCHED_TOKENS", 512)),
+    parser.add_argument("--max-num-batched-tokens", type=int, default=int(_env("TS_MAX_NUM_BATCHED_TOKENS", 256)),
                         help="tokens computed per step at most (prefill chunk budget) "
-                             "[env TS_MAX_NUM_BATCHED_TOKENS, default 512]")
+                             "[env TS_MAX_NUM_BATCHED_TOKENS, default 256: on a CPU worker one 256-token chunk is a ~0.4 s step, which bounds the decodes' inter-token latency]")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=_env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
                         help="reuse the KV of full blocks shared with earlier prompts "

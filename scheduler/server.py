@@ -87,7 +87,7 @@ class SchedulerCore:
     """The engine loop thread and everything the gRPC handlers share with it."""
 
     def __init__(self, worker_address: str | None, transport: str | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
                  retry_initial_s: float = 0.2, retry_max_s: float = 2.0):
         self.worker_address = worker_address
         self.transport = transport

@@ -25,7 +25,7 @@ class Completion:
 
 class LocalEngine:
     def __init__(self, model: str | Path, kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = 16,
-                 max_num_batched_tokens: int = 512, max_num_seqs: int = 64, load_tokenizer: bool = True,
+                 max_num_batched_tokens: int = 256, max_num_seqs: int = 64, load_tokenizer: bool = True,
                  enable_prefix_caching: bool = True):
         self.path = resolve_model(str(model))
         self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size)

@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache memory of the worker, e.g. 512MiB, 2GiB [env TS_KV_MEMORY, default 512MiB]")
     p.add_argument("--max-num-seqs", default=env("TS_MAX_NUM_SEQS", "64"),
                    help="sequences running at once [env TS_MAX_NUM_SEQS, default 64]")
-    p.add_argument("--max-num-batched-tokens", default=env("TS_MAX_NUM_BATCHED_TOKENS", "512"),
-                   help="tokens per engine step [env TS_MAX_NUM_BATCHED_TOKENS, default 512]")
+    p.add_argument("--max-num-batched-tokens", default=env("TS_MAX_NUM_BATCHED_TOKENS", "256"),
+                   help="tokens computed per engine step at most (prefill chunk budget) "
+                        "[env TS_MAX_NUM_BATCHED_TOKENS, default 256]")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
                    help="reuse the KV of full blocks shared with earlier prompts [env TS_ENABLE_PREFIX_CACHING, "
