@@ -1,0 +1,362 @@
+"""The scheduler's engine loop and the state its gRPC handlers share with it.
+
+Threads. The engine (scheduler/engine.py) is synchronous and single-threaded:
+one thread, the *engine loop*, owns it — it adds and aborts sequences, calls
+``Engine.step`` (whose executor makes one blocking Step call to the worker) and
+turns the progress into ``SubmitEvent``s. The gRPC handlers run on an asyncio
+loop (grpc.aio); they never touch the engine. They hand work to the engine
+loop through an inbox (a deque under a condition variable, which also wakes
+the loop when it is idle), and receive events through one ``asyncio.Queue``
+per request, filled with ``loop.call_soon_threadsafe`` once per step.
+
+Worker lifecycle. The loop dials the worker (``--worker`` or the address a
+worker gave in RegisterWorker), retries Describe with backoff until it answers,
+then builds an Engine sized by the worker's num_blocks/block_size/max_context.
+When a Step fails, every in-flight request ends with FINISH_REASON_ERROR and
+an ErrorDetail (code "worker_unavailable"), the engine is dropped (its blocks
+and sequences with it), Health turns NOT_SERVING with the reason, new Submits
+get UNAVAILABLE, and the loop goes back to dialing: a worker that comes back
+(the same address, or a new one registering) gets a fresh Describe and a new
+engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.tensorserve.v1 import scheduler_pb2
+from scheduler.engine import Engine
+from scheduler.events import final_event, progress_event
+from scheduler.sequence import Sequence
+from scheduler.worker_client import WorkerClient, WorkerFailure
+from shared.step import StepRequest, StepResult
+
+log = logging.getLogger(__name__)
+
+
+class SubmitRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class _Handle:
+    """One Submit stream as the engine loop sees it."""
+    request_id: str
+    seq: Sequence
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    prompt_logprobs: int | None = None
+    emitted: int = 0
+    prompt_sent: bool = False
+    done: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+class SchedulerCore:
+    """The engine loop thread and everything the gRPC handlers share with it."""
+
+    def __init__(self, worker_address: str | None, transport: str | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
+                 retry_initial_s: float = 0.2, retry_max_s: float = 2.0):
+        self.worker_address = worker_address
+        self.transport = transport
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple] = deque()
+        self._handles: dict[str, _Handle] = {}          # in flight, by request id (under _cond)
+        self._by_seq: dict[int, _Handle] = {}           # engine-loop only
+        self.engine: Engine | None = None
+        self.client: WorkerClient | None = None
+        self.description = None
+        self.health_message = ("waiting for a worker to register (no --worker given)" if not worker_address
+                               else f"connecting to worker {worker_address}")
+        self.worker_message = self.health_message
+        self.draining = False
+        self._stop = False
+        self.tokens_computed = 0
+        self.steps = 0
+        self._snapshot = scheduler_pb2.StatsResponse()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self.client is not None:
+            self.client.close()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._handles)
+
+    # ------------------------------------------------------------------ called by handlers
+    def submit(self, handle: _Handle) -> None:
+        with self._cond:
+            if self.draining:
+                raise SubmitRefused(grpc.StatusCode.UNAVAILABLE,
+                                    "the scheduler is shutting down and accepts no new requests")
+            if self.engine is None:
+                raise SubmitRefused(grpc.StatusCode.UNAVAILABLE, f"no worker is serving: {self.health_message}")
+            if handle.request_id in self._handles:
+                raise SubmitRefused(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"request_id {handle.request_id!r} is already in flight")
+            self._handles[handle.request_id] = handle
+            self._inbox.append(("add", handle))
+            self._cond.notify_all()
+
+    def abort(self, request_id: str, notify_client: bool = True) -> bool:
+        with self._cond:
+            if request_id not in self._handles:
+                return False
+            self._inbox.append(("abort", request_id, notify_client))
+            self._cond.notify_all()
+            return True
+
+    def abort_all(self, message: str) -> None:
+        with self._cond:
+            for rid in list(self._handles):
+                self._inbox.append(("error", rid, "shutting_down", message))
+            self._cond.notify_all()
+
+    def register_worker(self, address: str) -> tuple[bool, str]:
+        with self._cond:
+            if self.engine is not None and self.worker_address and address != self.worker_address:
+                return False, (f"this scheduler already serves worker {self.worker_address}; "
+                               f"one worker per scheduler (start another scheduler for {address})")
+            changed = address != self.worker_address
+            self.worker_address = address
+            if changed or self.engine is None:
+                self.health_message = f"connecting to worker {address}"
+            self._cond.notify_all()
+        log.info("worker registered at %s", address)
+        return True, ""
+
+    def stats(self) -> scheduler_pb2.StatsResponse:
+        with self._cond:
+            s = scheduler_pb2.StatsResponse()
+            s.CopyFrom(self._snapshot)
+            s.tokens_computed, s.steps = self.tokens_computed, self.steps
+            return s
+
+    # ------------------------------------------------------------------ engine loop
+    def _run(self) -> None:
+        delay = self.retry_initial_s
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+            if self.engine is None:
+                if self._connect():
+                    delay = self.retry_initial_s
+                else:
+                    with self._cond:
+                        if not self._stop:
+                            self._cond.wait(delay)
+                    delay = min(delay * 2, self.retry_max_s)
+                continue
+            with self._cond:
+                while not self._stop and not self._inbox and not self.engine.has_work():
+                    self._cond.wait()
+                if self._stop:
+                    return
+                events = self._drain_inbox()
+                self._update_snapshot()
+                has_work = self.engine.has_work()
+            self._deliver(events)
+            if not has_work:
+                continue
+            try:
+                progressed = self.engine.step()
+            except WorkerFailure as exc:
+                self._on_worker_failure(exc)
+                continue
+            except Exception as exc:   # engine bug or KV exhausted: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                self._reset_engine("internal", f"the scheduler's engine failed: {exc}")
+                continue
+            events = [ev for seq in progressed if (ev := self._event_for(seq)) is not None]
+            with self._cond:
+                for handle, ev in events:
+                    if handle.done:
+                        self._handles.pop(handle.request_id, None)
+                self._update_snapshot()
+            self._deliver(events)
+
+    def _execute(self, request: StepRequest) -> StepResult:
+        result = self.client.step(request)
+        self.tokens_computed += int(result.tokens_computed)
+        self.steps += 1
+        return result
+
+    def _connect(self) -> bool:
+        with self._cond:
+            address = self.worker_address
+        if not address:
+            return False
+        client = WorkerClient(address, self.transport)
+        try:
+            d = client.describe(timeout_s=2.0)
+        except WorkerFailure as exc:
+            client.close()
+            now = time.monotonic()
+            if now - getattr(self, "_last_wait_log", 0.0) > 5.0:
+                log.warning("waiting for worker at %s: %s (retrying)", address, exc)
+                self._last_wait_log = now
+            with self._cond:
+                self.worker_message = str(exc)
+                if self.engine is None and not self.health_message.startswith("worker "):
+                    self.health_message = f"waiting for worker at {address}: {exc}"
+            return False
+        except Exception as exc:    # bad address and the like: keep trying, but say why
+            client.close()
+            log.warning("cannot dial worker at %s: %s", address, exc)
+            return False
+        engine = self._new_engine(d)
+        with self._cond:
+            if self.client is not None:
+                self.client.close()
+            self.client, self.description, self.engine = client, d, engine
+            self.health_message = ""
+            self.worker_message = ""
+            self._update_snapshot()
+        log.info("worker %s at %s: model %s (%s), %d KV blocks of %d tokens, context %d, vocab %d, "
+                 "tensors %s", d.model_name, address, d.architecture, d.backend, d.num_blocks, d.block_size,
+                 d.max_context, d.vocab_size, client.transport)
+        return True
+
+    def _new_engine(self, d) -> Engine:
+        return Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
+                      max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                      fingerprint=d.fingerprint, enable_prefix_caching=self.enable_prefix_caching)
+
+    def _on_worker_failure(self, exc: WorkerFailure) -> None:
+        message = str(exc)
+        log.error("%s; failing %d in-flight request(s) and re-dialing", message, len(self._by_seq))
+        self._fail_everything("worker_unavailable", message, drop_engine=True)
+        try:    # a worker killed with SIGKILL leaves its segments behind: remove those of dead processes
+            from shared.shm import sweep_stale_segments
+            sweep_stale_segments()
+        except OSError:
+            pass
+
+    def _reset_engine(self, code: str, message: str) -> None:
+        old = self.engine
+        self._fail_everything(code, message, drop_engine=False)
+        d = self.description
+        engine = self._new_engine(d)
+        # the worker may drop what it remembers of the old engine's sequences
+        engine._finished_ids = [s.seq_id for s in list(old.waiting) + list(old.running)] + old._finished_ids
+        with self._cond:
+            self.engine = engine
+            self._update_snapshot()
+
+    def _fail_everything(self, code: str, message: str, drop_engine: bool) -> None:
+        with self._cond:
+            handles = list(self._handles.values())
+            self._handles.clear()
+            self._inbox.clear()
+            self._by_seq.clear()
+            if drop_engine:
+                self.engine = None
+                self.health_message = message
+                self.worker_message = message
+                if self.client is not None:
+                    self.client.close()
+                    self.client = None
+            self._update_snapshot()
+        events = []
+        for h in handles:
+            h.done = True
+            events.append((h, final_event(h.seq, "error", code, message)))
+        self._deliver(events)
+
+    def _drain_inbox(self) -> list:
+        """Apply queued adds and aborts (under _cond). Returns events to deliver."""
+        events = []
+        while self._inbox:
+            item = self._inbox.popleft()
+            if item[0] == "add":
+                h = item[1]
+                try:
+                    self.engine.add(h.seq)
+                except ValueError as exc:          # validated by the handler already; defensive
+                    h.done = True
+                    self._handles.pop(h.request_id, None)
+                    events.append((h, final_event(h.seq, "error", "invalid_argument", str(exc))))
+                    continue
+                self._by_seq[h.seq.seq_id] = h
+            else:
+                _, rid, *rest = item
+                h = self._handles.pop(rid, None)
+                if h is None or h.done:
+                    continue
+                self._by_seq.pop(h.seq.seq_id, None)
+                self.engine.abort(h.seq.seq_id)
+                h.done = True
+                if item[0] == "abort":
+                    if rest[0]:
+                        events.append((h, final_event(h.seq, "abort")))
+                else:
+                    events.append((h, final_event(h.seq, "error", rest[0], rest[1])))
+        return events
+
+    def _update_snapshot(self) -> None:
+        s = scheduler_pb2.StatsResponse()
+        e = self.engine
+        if e is not None:
+            total, free = e.blocks.num_blocks, e.blocks.num_free
+            s.running, s.waiting, s.preempted = len(e.running), len(e.waiting), len(e.preempted)
+            s.kv_blocks_total, s.kv_blocks_free = total, free
+            s.kv_blocks_cached = e.blocks.num_cached
+            s.prefix_cache_queried_tokens = e.blocks.queried_tokens
+            s.prefix_cache_hit_tokens = e.blocks.hit_tokens
+            s.preemptions = e.num_preemptions
+            s.kv_used_fraction = (total - free) / total if total else 0.0
+            s.block_size, s.max_context = e.blocks.block_size, e.max_context
+        self._snapshot = s
+
+    # ------------------------------------------------------------------ events
+    def _event_for(self, seq: Sequence):
+        h = self._by_seq.get(seq.seq_id)
+        if h is None:
+            return None
+        ev = progress_event(seq, h)
+        if h.done:
+            self._by_seq.pop(seq.seq_id, None)
+        return None if ev is None else (h, ev)
+
+    @staticmethod
+    def _deliver(events: list) -> None:
+        by_loop: dict = {}
+        for h, ev in events:
+            by_loop.setdefault(h.loop, []).append((h.queue, ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:        # the loop is closed: the process is exiting
+                pass
+
+
+def _put_all(items) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)
