@@ -69,10 +69,11 @@ class Engine:
             return max(0, self.blocks.blocks_needed(seq.num_computed + n) - len(seq.block_table))
 
         def make_room(seq: Sequence, blocks: int) -> bool:
-            """Preempt newest-first until `blocks` are free; False when only `seq` itself is left."""
+            """Preempt sequences that arrived after `seq`, newest first, until `blocks` are free;
+            False when none is left (an older sequence is never preempted for a newer one)."""
             nonlocal free
             while blocks > free:
-                victims = [s for s in self.running if s is not seq and s.seq_id not in planned]
+                victims = [s for s in self.running if s.arrival > seq.arrival and s.seq_id not in planned]
                 if not victims:
                     return False
                 free += self._preempt(max(victims, key=lambda s: s.arrival))
@@ -97,10 +98,10 @@ class Engine:
             if remaining > 1 or (remaining == 1 and seq.num_computed < len(seq.prompt)):
                 if budget <= 0:
                     break
+                if (len(seq.block_table) + free) * bs <= seq.num_computed and not make_room(seq, 1):
+                    continue                           # waits for older sequences to finish
                 fits = (len(seq.block_table) + free) * bs - seq.num_computed
                 n = min(remaining, budget, fits)
-                if n <= 0:
-                    continue
                 plan.append((seq, n))
                 planned.add(seq.seq_id)
                 free -= need(seq, n)
