@@ -179,6 +179,7 @@ class SchedulerCore:
                     self._cond.wait()
                 if self._stop:
                     return
+                t_drained = time.perf_counter()
                 events = self._drain_inbox()
                 self._update_snapshot()
                 has_work = self.engine.has_work()
@@ -186,7 +187,11 @@ class SchedulerCore:
             if not has_work:
                 continue
             try:
+                t_step = time.perf_counter()
                 progressed = self.engine.step()
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("engine step %d: %.1f ms (%.1f ms since the inbox was drained)", self.steps,
+                              (time.perf_counter() - t_step) * 1e3, (time.perf_counter() - t_drained) * 1e3)
             except WorkerFailure as exc:
                 self._on_worker_failure(exc)
                 continue

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import random
+import time
 import uuid
 
 import grpc
@@ -14,6 +16,8 @@ from protos.tensorserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.core import SchedulerCore, SubmitRefused, _Handle
 from scheduler.sequence import Sequence
 from shared.step_codec import sampling_params_from_proto
+
+log = logging.getLogger(__name__)
 
 PROMPT_SCORE_K = 20          # alternatives the worker returns per prompt position for prompt_logprobs
 MAX_MESSAGE_BYTES = 256 * 2**20
@@ -73,6 +77,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return seq
 
     async def Submit(self, request, context):
+        t0 = time.perf_counter()
         try:
             seq = self._validate(request)
             handle = _Handle(request.request_id or uuid.uuid4().hex, seq, asyncio.Queue(),
@@ -87,6 +92,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             while True:
                 ev = await handle.queue.get()
+                if t0 and log.isEnabledFor(logging.DEBUG):
+                    log.debug("request %s: first event %.1f ms after Submit", handle.request_id,
+                              (time.perf_counter() - t0) * 1e3)
+                    t0 = 0.0
                 if ev.finish_reason:
                     finished = True
                 yield ev
