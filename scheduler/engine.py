@@ -182,7 +182,9 @@ class Engine:
             self._commit_full_blocks(seq)
             r = by_id[seq.seq_id]
             if r.score_ids is not None:
-                seq.prompt_scores.extend(zip(r.score_ids, r.score_logprobs))
+                targets = r.score_target_logprobs if r.score_target_logprobs is not None \
+                    else [None] * len(r.score_ids)
+                seq.prompt_scores.extend(zip(r.score_ids, r.score_logprobs, targets))
                 if seq.num_computed == seq.num_tokens and not seq.generate_after_score:
                     seq.finish_reason = "scored"
             if chunk.sample:
@@ -213,6 +215,9 @@ class Engine:
             score_top_k=seq.score_top_k if start < len(seq.prompt) else 0,
             prefix_ids=np.asarray(tokens[:start], np.int64) if seq.send_prefix else None,
         )
+        if chunk.score_top_k:                          # each position's next token, for its own logprob
+            nxt = tokens[start + 1:start + n + 1]
+            chunk.score_targets = np.asarray(nxt + [-1] * (n - len(nxt)), np.int64)
         seq.send_prefix = False
         return chunk
 

@@ -56,11 +56,13 @@ def progress_event(seq: Sequence, handle) -> scheduler_pb2.SubmitEvent | None:
 def fill_prompt_logprobs(ev: scheduler_pb2.SubmitEvent, seq: Sequence, n: int) -> None:
     prompt = seq.prompt
     for p in range(1, len(prompt)):
-        ids, lps = seq.prompt_scores[p - 1]
+        ids, lps, own = seq.prompt_scores[p - 1]
         tok = int(prompt[p])
-        hit = [j for j in range(len(ids)) if int(ids[j]) == tok]
-        # exact when the token is among the worker's top-k; -inf otherwise (see PROMPT_SCORE_K)
-        lp = float(lps[hit[0]]) if hit else -math.inf
+        if own is not None and not math.isnan(own):
+            lp = float(own)
+        else:       # a worker that does not return the target's logprob: exact only within its top-k
+            hit = [j for j in range(len(ids)) if int(ids[j]) == tok]
+            lp = float(lps[hit[0]]) if hit else -math.inf
         t = ev.prompt_logprobs.add(token_id=tok, logprob=lp)
         if n > 0:
             t.top_ids[:] = [int(x) for x in ids[:n]]

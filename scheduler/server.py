@@ -19,7 +19,6 @@ from shared.step_codec import sampling_params_from_proto
 
 log = logging.getLogger(__name__)
 
-PROMPT_SCORE_K = 20          # alternatives the worker returns per prompt position for prompt_logprobs
 MAX_MESSAGE_BYTES = 256 * 2**20
 # Sequence ids name worker-side state (penalty history, RNG): start at a random offset so that two
 # schedulers, or a restarted one, never reuse an id a worker may still remember.
@@ -71,7 +70,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                 + ("" if score_only else " (and at least one must be generated)"))
         seq = Sequence(prompt, params, seq_id=next(_seq_ids))
         if request.HasField("prompt_logprobs"):
-            k = max(int(request.prompt_logprobs), PROMPT_SCORE_K)
+            k = max(int(request.prompt_logprobs), 1)     # each prompt token's own logprob comes besides
             seq.score_top_k = min(k, vocab) if vocab else k
             seq.generate_after_score = not score_only
         return seq

@@ -25,6 +25,9 @@ class SeqChunk:
     # tokens at positions [0, start_pos) when the worker may not have seen them (a prompt whose
     # prefix came from the prefix cache): penalties need the whole history
     prefix_ids: np.ndarray | None = None
+    # with score_top_k: per position, the token whose own logprob is wanted too (the next token of the
+    # sequence, which need not be among the top k); -1 where there is none
+    score_targets: np.ndarray | None = None
 
 
 @dataclass
@@ -42,6 +45,7 @@ class SeqResult:
     top_logprobs: np.ndarray | None = None
     score_ids: np.ndarray | None = None        # [len(chunk), k] when score_top_k > 0
     score_logprobs: np.ndarray | None = None
+    score_target_logprobs: np.ndarray | None = None   # [len(chunk)], NaN where the target was -1
 
 
 @dataclass

@@ -77,6 +77,8 @@ def step_request_to_proto(request: StepRequest, codec: TensorCodec | None = None
         m.score_top_k = int(c.score_top_k)
         if c.prefix_ids is not None:
             codec.encode_into(np.asarray(c.prefix_ids, np.int64), m.prefix_ids)
+        if c.score_targets is not None:
+            codec.encode_into(np.asarray(c.score_targets, np.int64), m.score_targets)
     msg.finished[:] = [int(s) for s in request.finished]
     return msg
 
@@ -94,6 +96,7 @@ def step_request_from_proto(msg: worker_pb2.StepRequest, codec: TensorCodec | No
             params=sampling_params_from_proto(m.params) if m.HasField("params") else None,
             score_top_k=m.score_top_k,
             prefix_ids=codec.decode(m.prefix_ids) if m.HasField("prefix_ids") else None,
+            score_targets=codec.decode(m.score_targets) if m.HasField("score_targets") else None,
         )
         for m in msg.chunks
     ]
@@ -101,7 +104,7 @@ def step_request_from_proto(msg: worker_pb2.StepRequest, codec: TensorCodec | No
 
 
 # ----------------------------------------------------------------- step result
-_RESULT_ARRAYS = ("top_ids", "top_logprobs", "score_ids", "score_logprobs")
+_RESULT_ARRAYS = ("top_ids", "top_logprobs", "score_ids", "score_logprobs", "score_target_logprobs")
 
 
 def step_result_to_proto(result: StepResult, codec: TensorCodec | None = None,

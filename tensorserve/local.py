@@ -77,4 +77,4 @@ class LocalEngine:
         while seq.finish_reason is None:
             self.engine.step()
         return [{"top_ids": [int(i) for i in ids], "top_logprobs": [float(v) for v in lps]}
-                for ids, lps in seq.prompt_scores]
+                for ids, lps, _ in seq.prompt_scores]

@@ -20,5 +20,8 @@ def engines():
     def get(model: str) -> "LocalEngine":
         if model not in cache:
             cache[model] = LocalEngine(model, load_tokenizer=False)
+        # tests also drive the shared runner directly (forward_logits, engines of their own), which
+        # overwrites KV blocks this engine's prefix cache may still list: forget them
+        cache[model].engine.blocks.reset_prefix_cache()
         return cache[model]
     return get

@@ -218,3 +218,29 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_the_running_decodes(runner)
         assert any(sid == long_seq.seq_id and n > 1 for sid, n in step)
     for s in streams:
         engine.abort(s.seq_id)
+
+
+def test_prompt_logprobs_are_exact_for_unlikely_tokens(runner):
+    """Each prompt token's own logprob comes back even when it is far outside the top k (echo)."""
+    import numpy as np
+    from scheduler.events import fill_prompt_logprobs
+    from protos.tensorserve.v1 import scheduler_pb2
+    from shared.step import SeqChunk
+
+    prompt = [1, 30001, 777, 45000, 12, 9999, 3, 40000]           # arbitrary ids: most are unlikely
+    engine = make_engine(runner, max_num_batched_tokens=3)          # scored across several chunks
+    seq = Sequence(list(prompt), greedy(1), score_top_k=1)
+    engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    ev = scheduler_pb2.SubmitEvent()
+    fill_prompt_logprobs(ev, seq, 0)
+    got = [t.logprob for t in ev.prompt_logprobs]
+    logits = runner.forward_logits([SeqChunk(seq_id=-7, token_ids=np.array(prompt), start_pos=0,
+                                             block_table=np.arange(1), prompt_len=len(prompt), sample=False,
+                                             score_top_k=1)]).astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = [logp[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
+    assert all(np.isfinite(got)) and min(want) < -8                 # really outside any small top-k
+    np.testing.assert_allclose(got, want, atol=2e-3)

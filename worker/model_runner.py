@@ -73,8 +73,9 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             n_rows = len(c.token_ids) if c.score_top_k else 1
             if c.score_top_k:
-                ids, lps = self._score(hidden[offset:offset + n_rows], c.score_top_k)
+                ids, lps, target_lps = self._score(hidden[offset:offset + n_rows], c.score_top_k, c.score_targets)
                 results[i].score_ids, results[i].score_logprobs = ids, lps
+                results[i].score_target_logprobs = target_lps
             if c.sample:
                 sample_idx.append(i)
                 sample_rows.append(offset + n_rows - 1)
@@ -152,11 +153,18 @@ class ModelRunner:
             r.token_id, r.logprob = int(out.token_ids[i]), float(out.logprobs[i])
             r.top_ids, r.top_logprobs = out.top_ids[i], out.top_logprobs[i]
 
-    def _score(self, hidden: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        ids, lps = [], []
+    def _score(self, hidden: np.ndarray, k: int,
+               targets: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        ids, lps, target_lps = [], [], []
         for s in range(0, hidden.shape[0], LOGITS_ROWS_PER_SLICE):
             logprobs = self.ops.log_softmax(self.model.logits(hidden[s:s + LOGITS_ROWS_PER_SLICE]))
             i, v = self.ops.top_k(logprobs, k)
             ids.append(i)
             lps.append(v)
-        return np.concatenate(ids), np.concatenate(lps)
+            if targets is not None:
+                t = np.asarray(targets[s:s + logprobs.shape[0]], np.int64)
+                picked = self.ops.to_numpy(logprobs[np.arange(len(t)), np.clip(t, 0, logprobs.shape[1] - 1)])
+                picked = picked.astype(np.float32)
+                target_lps.append(np.where(t >= 0, picked, np.float32(np.nan)))
+        return (np.concatenate(ids), np.concatenate(lps),
+                np.concatenate(target_lps) if targets is not None else None)

@@ -127,6 +127,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise BadStep(f"{where}: prompt_len must be >= 0, got {c.prompt_len}")
             if c.score_top_k > vocab:
                 raise BadStep(f"{where}: score_top_k {c.score_top_k} exceeds the vocabulary ({vocab})")
+            if c.score_targets is not None:
+                targets = np.asarray(c.score_targets)
+                if targets.shape != tokens.shape or (targets.size and (targets.min() < -1 or targets.max() >= vocab)):
+                    raise BadStep(f"{where}: score_targets must hold one token id in [-1, {vocab}) per chunk token")
             if c.params is not None:
                 try:    # max_tokens is the scheduler's business (0 for a scoring-only request)
                     dataclasses.replace(c.params, max_tokens=1).validate()

@@ -36,7 +36,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids")
+    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids", "score_targets")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class SeqChunk(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SCORE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_TARGETS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _common_pb2.Tensor
     start_pos: int
@@ -55,7 +56,8 @@ class SeqChunk(_message.Message):
     params: _common_pb2.SamplingParams
     score_top_k: int
     prefix_ids: _common_pb2.Tensor
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    score_targets: _common_pb2.Tensor
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_targets: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("chunks", "finished", "step_id")
@@ -68,7 +70,7 @@ class StepRequest(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., step_id: _Optional[int] = ...) -> None: ...
 
 class SeqResult(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_ids", "top_logprobs", "score_ids", "score_logprobs")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_ids", "top_logprobs", "score_ids", "score_logprobs", "score_target_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +78,7 @@ class SeqResult(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_TARGET_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
     logprob: float
@@ -83,7 +86,8 @@ class SeqResult(_message.Message):
     top_logprobs: _common_pb2.Tensor
     score_ids: _common_pb2.Tensor
     score_logprobs: _common_pb2.Tensor
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    score_target_logprobs: _common_pb2.Tensor
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_target_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "tokens_computed", "step_id")
