@@ -67,6 +67,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._arenas: OrderedDict[str, ShmArena] = OrderedDict()
         self._closed = False
         self.steps = 0
+        self._last_step_end = 0.0
 
     # ------------------------------------------------------------------ helpers
     def _response_codec(self, request: worker_pb2.StepRequest, context) -> TensorCodec:
@@ -157,9 +158,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 t1 = time.perf_counter()
                 result = self.runner.execute(step)
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("step %d: %d chunks, %d tokens, decode+validate %.1f ms, execute %.1f ms",
+                    log.debug("step %d: %d chunks, %d tokens, decode+validate %.1f ms, execute %.1f ms, "
+                              "%.1f ms since the previous step returned",
                               request.step_id, len(step.chunks), result.tokens_computed, (t1 - t0) * 1e3,
-                              (time.perf_counter() - t1) * 1e3)
+                              (time.perf_counter() - t1) * 1e3, (t0 - self._last_step_end) * 1e3)
             except (BadStep, ValueError, TypeError, FileNotFoundError, IndexError) as exc:
                 log.warning("step %d refused: %s", request.step_id, exc)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -167,7 +169,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 log.exception("step %d failed", request.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
             self.steps += 1
-            return step_result_to_proto(result, self._response_codec(request, context), step_id=request.step_id)
+            response = step_result_to_proto(result, self._response_codec(request, context), step_id=request.step_id)
+            self._last_step_end = time.perf_counter()
+            return response
 
     def ExportBlocks(self, request, context):
         context.abort(grpc.StatusCode.UNIMPLEMENTED, UNIMPLEMENTED_BLOCKS.format("ExportBlocks"))
