@@ -250,6 +250,30 @@ def test_sigterm_finishes_in_flight_then_exits(fragile):
     assert procs["scheduler"].wait(15) == 0
 
 
+def test_sixteen_concurrent_clients_get_their_solo_tokens(stack):
+    """Real concurrency: 16 client threads submit fixture prompts of different lengths at random
+    moments; each gets exactly the greedy tokens it gets alone."""
+    import random
+    prompts = [c["prompt_tokens"] for c in FIXTURE["generate"] if len(c["prompt_tokens"]) < 200]
+    prompts += [t["tokens_add_special"] for t in FIXTURE["tokenize"] if len(t["tokens_add_special"]) >= 5]
+    rng = random.Random(16)
+    jobs = [(p, rng.randint(3, 12), rng.uniform(0, 1.5)) for p in prompts[:16]]
+    assert len(jobs) == 16
+    solo = [collect(stack, submit_request(p, n, ignore_eos=True))[0] for p, n, _ in jobs]
+    results: dict[int, list[int]] = {}
+
+    def client(i):
+        p, n, delay = jobs[i]
+        time.sleep(delay)
+        results[i] = collect(stack, submit_request(p, n, request_id=f"c16-{i}", ignore_eos=True))[0]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(200)
+    assert [results.get(i) for i in range(16)] == solo
+
+
 def test_kv_exhaustion_preempts_and_output_is_unchanged(stack):
     # 91 blocks of 16 tokens (64 MiB): three 470-token prompts growing by 30 tokens cannot all fit;
     # they differ from their first token on, so the prefix cache cannot share any of their blocks
