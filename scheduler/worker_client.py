@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 import grpc
 
@@ -84,10 +85,15 @@ class WorkerClient:
         if self.codec is None:
             raise WorkerFailure(f"worker {self.address} was not described yet")
         self._step_id += 1
+        t0 = time.perf_counter()
         msg = step_request_to_proto(request, self.codec, step_id=self._step_id)
         try:
+            t1 = time.perf_counter()
             response = self.stub.Step(msg, timeout=self.step_timeout_s,
                                       metadata=((TRANSPORT_METADATA_KEY, self.transport),))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("Step %d: encode %.2f ms, RPC %.2f ms", self._step_id, (t1 - t0) * 1e3,
+                          (time.perf_counter() - t1) * 1e3)
         except grpc.RpcError as exc:
             raise WorkerFailure(f"worker {self.address} failed: {_rpc_error_text(exc)} (restart the worker)",
                                 exc.code() if hasattr(exc, "code") else None) from None
