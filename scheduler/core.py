@@ -27,6 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -208,10 +209,17 @@ class SchedulerCore:
             self._deliver(events)
 
     def _execute(self, request: StepRequest) -> StepResult:
-        result = self.client.step(request)
-        self.tokens_computed += int(result.tokens_computed)
-        self.steps += 1
-        return result
+        return self._submit(request)()
+
+    def _submit(self, request: StepRequest) -> Callable[[], StepResult]:
+        wait = self.client.submit(request)
+
+        def counted() -> StepResult:
+            result = wait()
+            self.tokens_computed += int(result.tokens_computed)
+            self.steps += 1
+            return result
+        return counted
 
     def _connect(self) -> bool:
         with self._cond:
@@ -252,7 +260,8 @@ class SchedulerCore:
     def _new_engine(self, d) -> Engine:
         return Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
                       max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                      fingerprint=d.fingerprint, enable_prefix_caching=self.enable_prefix_caching)
+                      fingerprint=d.fingerprint, enable_prefix_caching=self.enable_prefix_caching,
+                      submit=self._submit)
 
     def _on_worker_failure(self, exc: WorkerFailure) -> None:
         message = str(exc)
@@ -270,7 +279,7 @@ class SchedulerCore:
         d = self.description
         engine = self._new_engine(d)
         # the worker may drop what it remembers of the old engine's sequences
-        engine._finished_ids = [s.seq_id for s in list(old.waiting) + list(old.running)] + old._finished_ids
+        engine._finished_ids = [s.seq_id for s in [*old.waiting, *old.preempted, *old.running]] + old._finished_ids
         with self._cond:
             self.engine = engine
             self._update_snapshot()

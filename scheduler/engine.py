@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -24,13 +25,24 @@ from shared.step import SeqChunk, StepRequest, StepResult
 log = logging.getLogger(__name__)
 
 Executor = Callable[[StepRequest], StepResult]
+Submit = Callable[[StepRequest], Callable[[], StepResult]]   # sends a step; the callable waits for its result
+PLACEHOLDER = -1      # a decode token not known yet: the worker uses the one it sampled last
+
+
+@dataclass
+class _Launched:
+    plan: list[tuple[Sequence, int]]
+    chunks: list[SeqChunk]
+    wait: Callable[[], StepResult]
 
 
 class Engine:
     def __init__(self, executor: Executor, num_blocks: int, block_size: int, max_context: int,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
-                 fingerprint: str = "", enable_prefix_caching: bool = True):
+                 fingerprint: str = "", enable_prefix_caching: bool = True, submit: Submit | None = None):
         self.executor = executor
+        self.submit = submit
+        self._in_flight: _Launched | None = None
         self.blocks = BlockManager(num_blocks, block_size, fingerprint)
         self.max_context = max_context
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -55,7 +67,7 @@ class Engine:
                 self._finish(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.preempted or self.running)
+        return bool(self.waiting or self.preempted or self.running or self._in_flight)
 
     # ------------------------------------------------------------------------
     def _schedule(self) -> list[tuple[Sequence, int]]:
@@ -166,20 +178,64 @@ class Engine:
 
     # ------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one iteration; returns the sequences that made progress visible to clients."""
-        plan = self._schedule()
-        if not plan:
-            if self.has_work():
-                raise RuntimeError("no sequence could be scheduled: the KV pool is too small for the waiting prompt")
-            return []
+        """Run one iteration; returns the sequences that made progress visible to clients.
+
+        With an asynchronous executor (`submit`), a step that only decodes is followed at
+        once by the next one, launched before this one's result is read: its chunks carry
+        the placeholder token -1 ("the token you sampled last for this sequence"), so the
+        worker never waits for the scheduler between decode steps."""
+        if self._in_flight is None:
+            plan = self._schedule()
+            if not plan:
+                if self.has_work():
+                    raise RuntimeError("no sequence could be scheduled: the KV pool is too small for the "
+                                       "waiting prompt")
+                return []
+            self._in_flight = self._launch(plan)
+        current = self._in_flight
+        ahead = self._plan_ahead(current) if self.submit is not None else None
+        self._in_flight = self._launch(ahead) if ahead else None
+        return self._fold(current)
+
+    def _launch(self, plan: list[tuple[Sequence, int]]) -> _Launched:
         chunks = [self._chunk(seq, n) for seq, n in plan]
-        result = self.executor(StepRequest(chunks, finished=self._finished_ids))
+        request = StepRequest(chunks, finished=self._finished_ids)
         self._finished_ids = []
+        for seq, n in plan:
+            seq.num_computed += n                      # in flight: the worker is computing them
+        if self.submit is not None:
+            return _Launched(plan, chunks, self.submit(request))
+        result = self.executor(request)
+        return _Launched(plan, chunks, lambda: result)
+
+    def _plan_ahead(self, current: _Launched) -> list[tuple[Sequence, int]] | None:
+        """The next decode step, if it can be decided before `current` returns: `current` only
+        decodes, nothing waits to be admitted, and the blocks the next tokens need are free.
+        A sequence that `current` surely finishes (max_tokens, context) is left out; one that
+        stops on a token it samples there costs a wasted row."""
+        if self.waiting or self.preempted:
+            return None
+        if not all(n == 1 and c.sample and not c.score_top_k for (_, n), c in zip(current.plan, current.chunks)):
+            return None
+        seqs = [seq for seq, _ in current.plan if seq.status is Status.RUNNING]
+        if len(seqs) != len(self.running):
+            return None                                # someone is mid-prefill: schedule normally
+        seqs = [s for s in seqs if len(s.output) + 2 <= s.params.max_tokens and s.num_tokens + 2 <= self.max_context]
+        need = sum(max(0, self.blocks.blocks_needed(s.num_computed + 1) - len(s.block_table)) for s in seqs)
+        if not seqs or need > self.blocks.num_free or len(seqs) > self.max_num_batched_tokens:
+            return None
+        for s in seqs:
+            self.blocks.grow(s.block_table, s.num_computed + 1)
+        return [(s, 1) for s in seqs]
+
+    def _fold(self, launched: _Launched) -> list[Sequence]:
+        result = launched.wait()
         by_id = {r.seq_id: r for r in result.results}
         progressed = []
-        for (seq, n), chunk in zip(plan, chunks):
-            seq.num_computed += n
-            self._commit_full_blocks(seq)
+        for (seq, n), chunk in zip(launched.plan, launched.chunks):
+            if seq.status is Status.FINISHED:          # aborted, or stopped while this step ran
+                continue
+            self._commit_full_blocks(seq, chunk.start_pos + n)
             r = by_id[seq.seq_id]
             if r.score_ids is not None:
                 targets = r.score_target_logprobs if r.score_target_logprobs is not None \
@@ -203,13 +259,14 @@ class Engine:
         start = seq.num_computed
         tokens = seq.tokens
         done_prompt = start + n >= len(seq.prompt)
+        ids = tokens[start:start + n]
         chunk = SeqChunk(
             seq_id=seq.seq_id,
-            token_ids=np.asarray(tokens[start:start + n], np.int64),
+            token_ids=np.asarray(ids + [PLACEHOLDER] * (n - len(ids)), np.int64),   # ahead: being sampled
             start_pos=start,
             block_table=np.asarray(seq.block_table, np.int32),
             prompt_len=len(seq.prompt),
-            sample=done_prompt and start + n == seq.num_tokens and seq.params.max_tokens > 0
+            sample=done_prompt and start + n >= seq.num_tokens and seq.params.max_tokens > 0
             and (not seq.score_top_k or seq.generate_after_score),
             params=seq.params,
             score_top_k=seq.score_top_k if start < len(seq.prompt) else 0,
@@ -221,9 +278,10 @@ class Engine:
         seq.send_prefix = False
         return chunk
 
-    def _commit_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks this step filled, so later prompts can share them."""
-        full = seq.num_computed // self.blocks.block_size
+    def _commit_full_blocks(self, seq: Sequence, computed: int) -> None:
+        """Register the blocks filled by a step that computed up to `computed`, so later prompts
+        can share them."""
+        full = computed // self.blocks.block_size
         if full > seq.num_committed_blocks and self.enable_prefix_caching:
             self.blocks.extend_hashes(seq.block_hashes, seq.tokens, full)
             self.blocks.commit(seq.block_table, seq.block_hashes, seq.num_committed_blocks, full)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from typing import Callable
 
 import grpc
 
@@ -60,6 +61,7 @@ class WorkerClient:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.transport = resolve_transport(transport, address)
         self.codec: TensorCodec | None = None
+        self._codecs: list[TensorCodec] = []
         self.description: worker_pb2.DescribeResponse | None = None
         self._step_id = 0
 
@@ -75,40 +77,59 @@ class WorkerClient:
         if self.transport == "shm" and setting in (None, "auto") and d.hostname \
                 and d.hostname != socket.gethostname():
             self.transport = "inline"
-        if self.codec is not None:
-            self.codec.close()
-        self.codec = TensorCodec(self.transport)
+        for codec in self._codecs:
+            codec.close()
+        self._codecs = [TensorCodec(self.transport), TensorCodec(self.transport)]
+        self.codec = self._codecs[0]
         self.description = d
         return d
 
     def step(self, request: StepRequest) -> StepResult:
-        if self.codec is None:
-            raise WorkerFailure(f"worker {self.address} was not described yet")
-        self._step_id += 1
-        t0 = time.perf_counter()
-        msg = step_request_to_proto(request, self.codec, step_id=self._step_id)
-        try:
-            t1 = time.perf_counter()
-            response = self.stub.Step(msg, timeout=self.step_timeout_s,
-                                      metadata=((TRANSPORT_METADATA_KEY, self.transport),))
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("Step %d: encode %.2f ms, RPC %.2f ms", self._step_id, (t1 - t0) * 1e3,
-                          (time.perf_counter() - t1) * 1e3)
-        except grpc.RpcError as exc:
-            raise WorkerFailure(f"worker {self.address} failed: {_rpc_error_text(exc)} (restart the worker)",
-                                exc.code() if hasattr(exc, "code") else None) from None
-        try:
-            return step_result_from_proto(response, self.codec)
-        except (ValueError, OSError) as exc:
-            raise WorkerFailure(f"worker {self.address} sent a step result that cannot be read: {exc} "
-                                f"(restart the worker)") from None
+        return self.submit(request)()
 
     __call__ = step
+
+    def submit(self, request: StepRequest) -> Callable[[], StepResult]:
+        """Send a step without waiting; the returned callable waits for its result. Two steps may
+        be in flight: consecutive steps encode into alternate shared-memory arenas, so sending
+        one never overwrites the tensors of the one before, which the worker may not have read."""
+        if self.codec is None:
+            raise WorkerFailure(f"worker {self.address} was not described yet")
+        step_id = self._step_id + 1          # the worker runs steps in this order: no id may be skipped
+        codec = self._codecs[step_id % 2]
+        t0 = time.perf_counter()
+        msg = step_request_to_proto(request, codec, step_id=step_id)
+        try:
+            future = self.stub.Step.future(msg, timeout=self.step_timeout_s,
+                                           metadata=((TRANSPORT_METADATA_KEY, self.transport),))
+        except grpc.RpcError as exc:
+            raise self._failure(exc) from None
+        self._step_id = step_id
+
+        def wait() -> StepResult:
+            try:
+                response = future.result()
+            except grpc.RpcError as exc:
+                raise self._failure(exc) from None
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("Step %d: result read %.2f ms after it was sent", step_id,
+                          (time.perf_counter() - t0) * 1e3)
+            try:
+                return step_result_from_proto(response, codec)
+            except (ValueError, OSError) as exc:
+                raise WorkerFailure(f"worker {self.address} sent a step result that cannot be read: {exc} "
+                                    f"(restart the worker)") from None
+        return wait
+
+    def _failure(self, exc: grpc.RpcError) -> WorkerFailure:
+        return WorkerFailure(f"worker {self.address} failed: {_rpc_error_text(exc)} (restart the worker)",
+                             exc.code() if hasattr(exc, "code") else None)
 
     def close(self) -> None:
         try:
             self.channel.close()
         finally:
-            if self.codec is not None:
-                self.codec.close()
-                self.codec = None
+            for codec in self._codecs:
+                codec.close()
+            self._codecs = []
+            self.codec = None

@@ -27,10 +27,23 @@ class TokenKVWorker:
     def __init__(self, num_blocks: int):
         self.pool = np.full((num_blocks, BLOCK), -1, np.int64)
         self.tokens_computed = 0
+        self.last_sampled: dict[int, int] = {}
+        self.placeholders = 0
+
+    def submit(self, request: StepRequest):
+        """Pipelined use: runs the step at once, in order, as the worker would before any later
+        one, and hands back a waiter (the engine folds the result one step later)."""
+        result = self(request)
+        return lambda: result
 
     def __call__(self, request: StepRequest) -> StepResult:
         out = []
+        for seq_id in request.finished:
+            self.last_sampled.pop(seq_id, None)
         for c in request.chunks:
+            if len(c.token_ids) == 1 and c.token_ids[0] == -1:
+                c.token_ids = np.array([self.last_sampled[c.seq_id]])
+                self.placeholders += 1
             table = np.asarray(c.block_table)
             pos = np.arange(c.start_pos, c.start_pos + len(c.token_ids))
             self.pool[table[pos // BLOCK], pos % BLOCK] = c.token_ids
@@ -39,14 +52,16 @@ class TokenKVWorker:
             if c.prefix_ids is not None:
                 assert list(c.prefix_ids) == list(ctx[:c.start_pos])
             token = int((ctx * np.arange(1, end + 1)).sum() % 50 + 3) if c.sample else -1
+            if c.sample:
+                self.last_sampled[c.seq_id] = token
             out.append(SeqResult(c.seq_id, token_id=token))
             self.tokens_computed += len(c.token_ids)
         return StepResult(out, sum(len(c.token_ids) for c in request.chunks))
 
 
-def run_alone(prompt: list[int], n: int, context: int) -> list[int]:
+def run_alone(prompt: list[int], n: int, context: int, stops: tuple = ()) -> list[int]:
     engine = Engine(TokenKVWorker(64), 64, BLOCK, context, enable_prefix_caching=False)
-    seq = Sequence(list(prompt), SamplingParams(max_tokens=n, temperature=0.0))
+    seq = Sequence(list(prompt), SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=stops))
     engine.add(seq)
     while engine.has_work():
         engine.step()
@@ -70,11 +85,16 @@ requests = st.lists(st.tuples(prefixes, st.lists(st.integers(1, 9), min_size=1, 
 
 @settings(max_examples=250, deadline=None)
 @given(requests=requests, num_blocks=st.integers(10, 40), budget=st.sampled_from([4, 8, 32]),
-       max_seqs=st.sampled_from([1, 3, 16]))
-def test_random_workloads_keep_outputs_and_reference_counts(requests, num_blocks, budget, max_seqs):
+       max_seqs=st.sampled_from([1, 3, 16]), pipelined=st.booleans(), stop_token=st.sampled_from([None, 7, 11]))
+def test_random_workloads_keep_outputs_and_reference_counts(requests, num_blocks, budget, max_seqs, pipelined,
+                                                            stop_token):
+    """`pipelined`: decode steps are launched before the previous result is read (placeholder
+    tokens); `stop_token` ends sequences on a sampled token, which a pipelined step cannot foresee."""
     context = num_blocks * BLOCK           # as a worker sizes it: one sequence always fits the pool
-    engine = Engine(TokenKVWorker(num_blocks), num_blocks, BLOCK, context, max_num_batched_tokens=budget,
-                    max_num_seqs=max_seqs)
+    worker = TokenKVWorker(num_blocks)
+    engine = Engine(worker, num_blocks, BLOCK, context, max_num_batched_tokens=budget,
+                    max_num_seqs=max_seqs, submit=worker.submit if pipelined else None)
+    stops = () if stop_token is None else (stop_token,)
     pending = sorted(((arrive, i) for i, (_, _, _, arrive, _) in enumerate(requests)), reverse=True)
     seqs: dict[int, Sequence] = {}
     aborted: set[int] = set()
@@ -83,7 +103,7 @@ def test_random_workloads_keep_outputs_and_reference_counts(requests, num_blocks
         while pending and pending[-1][0] <= step:
             _, i = pending.pop()
             prefix, suffix, n, _, _ = requests[i]
-            seqs[i] = Sequence(prefix + suffix, SamplingParams(max_tokens=n, temperature=0.0))
+            seqs[i] = Sequence(prefix + suffix, SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=stops))
             engine.add(seqs[i])
         for i, (_, _, _, arrive, abort) in enumerate(requests):
             if abort and step == arrive + 2 and i in seqs and seqs[i].finish_reason is None:
@@ -97,7 +117,7 @@ def test_random_workloads_keep_outputs_and_reference_counts(requests, num_blocks
         if i in aborted:
             assert seqs[i].finish_reason == "abort"
         else:
-            assert seqs[i].output == run_alone(prefix + suffix, n, context), i
+            assert seqs[i].output == run_alone(prefix + suffix, n, context, stops), i
     assert engine.blocks.num_free == num_blocks
 
 
@@ -116,3 +136,27 @@ def test_identical_prompts_compute_their_shared_blocks_once():
         engine.step()
     assert second.num_cached_tokens == 16 and second.output == first.output
     assert worker.tokens_computed - computed == (19 - 16) + 1    # the tail, then one decode
+
+
+def test_pipelined_decode_launches_ahead_and_changes_nothing():
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 9]
+    outputs = {}
+    for pipelined in (False, True):
+        worker = TokenKVWorker(32)
+        engine = Engine(worker, 32, BLOCK, 128, submit=worker.submit if pipelined else None)
+        seqs = [Sequence(list(p), SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(13,)))
+                for p in prompts]
+        for s in seqs:
+            engine.add(s)
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            check_reference_counts(engine)
+            steps += 1
+        outputs[pipelined] = [s.output for s in seqs]
+        assert engine.blocks.num_free == 32
+        if pipelined:
+            assert worker.placeholders > 10
+        else:
+            assert worker.placeholders == 0
+    assert outputs[True] == outputs[False] == [run_alone(p, 12, 128, (13,)) for p in prompts]

@@ -35,6 +35,7 @@ class _SeqState:
     prompt_len: int
     generator: np.random.Generator | None = None
     params: SamplingParams | None = field(default=None)
+    last_sampled: int | None = None        # stands in for a decode chunk's placeholder token (-1)
 
 
 class ModelRunner:
@@ -63,6 +64,13 @@ class ModelRunner:
         chunks = request.chunks
         if not chunks:
             return StepResult([], 0)
+        for c in chunks:
+            if len(c.token_ids) == 1 and int(c.token_ids[0]) == -1:
+                state = self._seqs.get(c.seq_id)
+                if state is None or state.last_sampled is None:
+                    raise ValueError(f"sequence {c.seq_id}: placeholder token -1 but this worker has sampled "
+                                     "no token for it")
+                c.token_ids = np.array([state.last_sampled], np.int64)
         inp, score_rows = self._pack(chunks)
         hidden = self.model.forward(inp)
         results = [SeqResult(c.seq_id) for c in chunks]
@@ -151,6 +159,7 @@ class ModelRunner:
                                   [s.generator for s in states])
         for i, r in enumerate(results):
             r.token_id, r.logprob = int(out.token_ids[i]), float(out.logprobs[i])
+            states[i].last_sampled = r.token_id
             r.top_ids, r.top_logprobs = out.top_ids[i], out.top_logprobs[i]
 
     def _score(self, hidden: np.ndarray, k: int,

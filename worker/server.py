@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 2**20
 TRANSPORT_METADATA_KEY = "ts-tensor-transport"
-MAX_PEER_ARENAS = 8
+MAX_PEER_ARENAS = 16
+STEP_ORDER_WAIT_S = 5.0
 UNIMPLEMENTED_BLOCKS = ("KV block export/import arrives with prefix checkpoints; this worker does not "
                         "implement {} yet (the scheduler must prefill instead of restoring KV)")
 
@@ -60,11 +61,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.backend = backend
         self.transport = transport
         self.hostname = socket.gethostname()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._last_step_id = 0           # steps run in the order the scheduler numbered them
         self._reader = ShmReader()
         self._decoder = TensorCodec("inline", reader=self._reader)   # decodes refs and inline alike
         self._inline = TensorCodec("inline")
-        self._arenas: OrderedDict[str, ShmArena] = OrderedDict()
+        self._arenas: OrderedDict[tuple[str, int], ShmArena] = OrderedDict()
         self._closed = False
         self.steps = 0
         self._last_step_end = 0.0
@@ -84,7 +86,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 wanted = "shm" if is_local_address(peer_host(context.peer() or "")) else "inline"
         if wanted == "inline":
             return self._inline
-        peer = context.peer() or ""
+        # consecutive steps answer through alternate arenas: with a step pipelined behind this
+        # one, the scheduler may read this answer after the next one was written
+        peer = (context.peer() or "", request.step_id % 2)
         arena = self._arenas.get(peer)
         if arena is None:
             arena = ShmArena()
@@ -110,7 +114,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if table.ndim != 1 or (table.size and table.dtype.kind not in "iu"):
                 raise BadStep(f"{where}: block_table must be a 1-D integer array, "
                               f"got dtype {table.dtype} shape {table.shape}")
-            if tokens.min() < 0 or tokens.max() >= vocab:
+            placeholder = tokens.size == 1 and int(tokens[0]) == -1     # "the token you sampled last"
+            if not placeholder and (tokens.min() < 0 or tokens.max() >= vocab):
                 raise BadStep(f"{where}: token ids must lie in [0, {vocab}), got {int(tokens.min())}.."
                               f"{int(tokens.max())}")
             if table.size and (table.min() < 0 or table.max() >= cap.num_blocks):
@@ -149,29 +154,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request, context):
         with self._lock:
-            if self._closed:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
+            # A scheduler pipelines a decode step behind the one running; the RPC threads may pick
+            # them up in either order, so a step waits (briefly) for its predecessor. A lower id
+            # means a new scheduler numbering from 1 again: it runs at once.
+            self._lock.wait_for(lambda: not self._last_step_id < request.step_id - 1 or self._closed,
+                                timeout=STEP_ORDER_WAIT_S)
+            self._last_step_id = request.step_id
             try:
-                t0 = time.perf_counter()
-                step = step_request_from_proto(request, self._decoder)
-                self._validate(step)
-                t1 = time.perf_counter()
-                result = self.runner.execute(step)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("step %d: %d chunks, %d tokens, decode+validate %.1f ms, execute %.1f ms, "
-                              "%.1f ms since the previous step returned",
-                              request.step_id, len(step.chunks), result.tokens_computed, (t1 - t0) * 1e3,
-                              (time.perf_counter() - t1) * 1e3, (t0 - self._last_step_end) * 1e3)
-            except (BadStep, ValueError, TypeError, FileNotFoundError, IndexError) as exc:
-                log.warning("step %d refused: %s", request.step_id, exc)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except Exception as exc:                      # a bug, not the caller's input: say so, stay up
-                log.exception("step %d failed", request.step_id)
-                context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
-            self.steps += 1
-            response = step_result_to_proto(result, self._response_codec(request, context), step_id=request.step_id)
-            self._last_step_end = time.perf_counter()
-            return response
+                return self._step(request, context)
+            finally:
+                self._lock.notify_all()
+
+    def _step(self, request, context):
+        if self._closed:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
+        try:
+            t0 = time.perf_counter()
+            step = step_request_from_proto(request, self._decoder)
+            self._validate(step)
+            t1 = time.perf_counter()
+            result = self.runner.execute(step)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("step %d: %d chunks, %d tokens, decode+validate %.1f ms, execute %.1f ms, "
+                          "%.1f ms since the previous step returned",
+                          request.step_id, len(step.chunks), result.tokens_computed, (t1 - t0) * 1e3,
+                          (time.perf_counter() - t1) * 1e3, (t0 - self._last_step_end) * 1e3)
+        except (BadStep, ValueError, TypeError, FileNotFoundError, IndexError) as exc:
+            log.warning("step %d refused: %s", request.step_id, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:                      # a bug, not the caller's input: say so, stay up
+            log.exception("step %d failed", request.step_id)
+            context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
+        self.steps += 1
+        response = step_result_to_proto(result, self._response_codec(request, context), step_id=request.step_id)
+        self._last_step_end = time.perf_counter()
+        return response
 
     def ExportBlocks(self, request, context):
         context.abort(grpc.StatusCode.UNIMPLEMENTED, UNIMPLEMENTED_BLOCKS.format("ExportBlocks"))
@@ -193,6 +210,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Refuses further steps and unlinks this worker's shared-memory segments."""
         with self._lock:
             self._closed = True
+            self._lock.notify_all()
             for arena in self._arenas.values():
                 arena.close()
             self._arenas.clear()
