@@ -14,13 +14,14 @@ worker's address and says what to do.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from typing import Callable
 
 import grpc
 
-from protos.tensorserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.shm import TensorCodec, resolve_transport
 from shared.step import StepRequest, StepResult
 from shared.step_codec import step_request_to_proto, step_result_from_proto
@@ -30,6 +31,11 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 * 2**20
 TRANSPORT_METADATA_KEY = "ts-tensor-transport"   # what we want back; read by worker/server.py
 DEFAULT_STEP_TIMEOUT_S = 600.0
+# A step running longer than this makes the client ask the worker's Health (served by other
+# threads than Step): a worker that answers is busy and is waited for, one that does not is
+# hung or stopped and fails the step now instead of at the step timeout.
+HEALTH_PROBE_AFTER_S = float(os.environ.get("TS_WORKER_PROBE_AFTER_S", "10"))
+HEALTH_PROBE_TIMEOUT_S = 3.0
 
 
 class WorkerFailure(RuntimeError):
@@ -107,10 +113,19 @@ class WorkerClient:
         self._step_id = step_id
 
         def wait() -> StepResult:
-            try:
-                response = future.result()
-            except grpc.RpcError as exc:
-                raise self._failure(exc) from None
+            while True:
+                try:
+                    response = future.result(timeout=HEALTH_PROBE_AFTER_S)
+                    break
+                except grpc.FutureTimeoutError:
+                    if not self._answers_health():
+                        future.cancel()
+                        raise WorkerFailure(
+                            f"worker {self.address} stopped answering: step {step_id} has run "
+                            f"{time.perf_counter() - t0:.0f} s and Health got no reply within "
+                            f"{HEALTH_PROBE_TIMEOUT_S:.0f} s (is it hung or stopped? restart the worker)") from None
+                except grpc.RpcError as exc:
+                    raise self._failure(exc) from None
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("Step %d: result read %.2f ms after it was sent", step_id,
                           (time.perf_counter() - t0) * 1e3)
@@ -120,6 +135,13 @@ class WorkerClient:
                 raise WorkerFailure(f"worker {self.address} sent a step result that cannot be read: {exc} "
                                     f"(restart the worker)") from None
         return wait
+
+    def _answers_health(self) -> bool:
+        try:
+            self.stub.Health(common_pb2.HealthRequest(), timeout=HEALTH_PROBE_TIMEOUT_S)
+            return True
+        except grpc.RpcError:
+            return False
 
     def _failure(self, exc: grpc.RpcError) -> WorkerFailure:
         return WorkerFailure(f"worker {self.address} failed: {_rpc_error_text(exc)} (restart the worker)",

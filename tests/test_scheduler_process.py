@@ -232,6 +232,39 @@ def test_register_worker_then_kill_and_recover(fragile):
     assert s.running == 0 and s.kv_blocks_free == s.kv_blocks_total
 
 
+def test_a_hung_worker_fails_requests_in_seconds_not_at_the_step_timeout(tmp_path):
+    """SIGSTOP the worker mid-request: the scheduler notices that Health gets no answer either,
+    ends the request with an error, and serves again once the worker continues."""
+    worker, worker_addr = start_worker(tmp_path, "worker")
+    ready = tmp_path / "scheduler.json"
+    scheduler, info = start_with_ready_file([sys.executable, "-m", "scheduler.main", "--port", "0", "--worker",
+                                             worker_addr, "--ready-file", str(ready)], ready,
+                                            tmp_path / "scheduler.log", env={"TS_WORKER_PROBE_AFTER_S": "1"})
+    channel = grpc.insecure_channel(info["address"])
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    try:
+        assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 30)
+        events, t_stop = [], None
+        for ev in stub.Submit(submit_request(CASE["prompt_tokens"], 1000, ignore_eos=True), timeout=60):
+            events.append(ev)
+            if len(events) == 2:
+                worker.send_signal(signal.SIGSTOP)
+                t_stop = time.monotonic()
+        waited = time.monotonic() - t_stop
+        last = events[-1]
+        assert last.finish_reason == common_pb2.FINISH_REASON_ERROR and "stopped answering" in last.error.message
+        assert waited < 15
+        worker.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 30)
+        tokens, last, _ = collect(stub, submit_request(CASE["prompt_tokens"], 4, ignore_eos=True), timeout=60)
+        assert tokens == CASE["greedy_continuation"][:4]
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        channel.close()
+        stop(scheduler)
+        stop(worker)
+
+
 def test_sigterm_finishes_in_flight_then_exits(fragile):
     tmp, procs, stub = fragile
     assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 20)

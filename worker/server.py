@@ -168,6 +168,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _step(self, request, context):
         if self._closed:
             context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
+        if not context.is_active():      # the scheduler gave up on it (e.g. it found us hung): its
+            context.abort(grpc.StatusCode.CANCELLED, "step cancelled by the scheduler")   # blocks are reused
         try:
             t0 = time.perf_counter()
             step = step_request_from_proto(request, self._decoder)
