@@ -10,142 +10,24 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.frontend import (DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent,
-                             TokenLogprob)
+from router import openai_shapes as oa
+from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from shared.sampling_params import MAX_LOGPROBS
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _error(exc: FrontendError) -> JSONResponse:
-    return JSONResponse(exc.to_openai(), status_code=exc.status)
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-_DONE = b"data: [DONE]\n\n"
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
-# ----------------------------------------------------------------------------- request parsing helpers
-def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> FrontendError:
-    return FrontendError(message, 400, code=code, param=param)
-
-
-def _get_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(f"{name} must be a boolean, got {v!r}", name)
-    return v
-
-
-def _get_stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop] if stop else []
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > 16:
-            raise _bad("stop takes at most 16 strings", "stop")
-        return [s for s in stop if s]
-    raise _bad(f"stop must be a string or a list of strings, got {stop!r}", "stop")
-
-
-def _check_n(body: dict) -> None:
-    for name in ("n", "best_of"):
-        v = body.get(name)
-        if v is not None and v != 1:
-            raise _bad(f"{name}={v!r} is not supported: this server returns one choice per request (n=1); "
-                       "send several requests instead", name, code="unsupported_value")
-
-
-def _stream_options(body: dict, stream: bool) -> bool:
-    so = body.get("stream_options")
-    if so is None:
-        return False
-    if not isinstance(so, dict):
-        raise _bad("stream_options must be an object", "stream_options")
-    if not stream:
-        raise _bad("stream_options is only allowed when stream is true", "stream_options")
-    v = so.get("include_usage", False)
-    if not isinstance(v, bool):
-        raise _bad("stream_options.include_usage must be a boolean", "stream_options")
-    return v
-
-
-def _common_sampling(body: dict) -> dict:
-    out = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed"):
-        if body.get(name) is not None:
-            out[name] = body[name]
-    if body.get("ignore_eos") is not None:
-        out["ignore_eos"] = body["ignore_eos"]
-    if body.get("stop_token_ids") is not None:
-        ids = body["stop_token_ids"]
-        if not isinstance(ids, list):
-            raise _bad("stop_token_ids must be a list of token ids", "stop_token_ids")
-        out["stop_token_ids"] = tuple(ids)
-    lb = body.get("logit_bias")
-    if lb:
-        raise _bad("logit_bias is not supported by this server", "logit_bias", code="unsupported_value")
-    return out
-
-
-def _usage(f: FinishEvent) -> dict:
-    u = {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-         "total_tokens": f.prompt_tokens + f.completion_tokens,
-         "prompt_tokens_details": {"cached_tokens": f.cached_tokens}}   # as OpenAI reports prompt caching
-    return u
-
-
-def _finish_reason(f: FinishEvent) -> str:
-    return "length" if f.finish_reason == "length" else "stop"
-
-
-# ----------------------------------------------------------------------------- logprob shapes
-class _CompletionLogprobs:
-    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
-
-    def __init__(self, offset: int = 0):
-        self.offset = offset
-
-    def add(self, lps: list[TokenLogprob]) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in lps:
-            out["tokens"].append(lp.token)
-            out["token_logprobs"].append(lp.logprob)
-            out["top_logprobs"].append({t: l for _, t, _, l in lp.top} if lp.logprob is not None else None)
-            out["text_offset"].append(self.offset)
-            self.offset += len(lp.token)
-        return out
-
-    @staticmethod
-    def merge(a: dict | None, b: dict) -> dict:
-        if a is None:
-            return b
-        for k in a:
-            a[k].extend(b[k])
-        return a
-
-
-def _chat_logprobs(lps: list[TokenLogprob]) -> list[dict]:
-    return [{"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
-             "top_logprobs": [{"token": t, "logprob": l, "bytes": list(b)} for _, t, b, l in lp.top]}
-            for lp in lps]
 
 
 # ----------------------------------------------------------------------------- the app
@@ -176,27 +58,27 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
 
     @app.exception_handler(FrontendError)
     async def fe_exc(request: Request, exc: FrontendError):
-        return _error(exc)
+        return oa.error(exc)
 
     async def read_json(request: Request) -> dict:
         raw = await request.body()
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise _bad(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from None
+            raise oa.bad(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from None
         if not isinstance(body, dict):
-            raise _bad("the request body must be a JSON object", None, code="invalid_json")
+            raise oa.bad("the request body must be a JSON object", None, code="invalid_json")
         return body
 
     # ------------------------------------------------------------------ /v1/completions
     async def prepare_completion(body: dict) -> tuple[Prepared, bool, bool]:
         frontend.check_model(body.get("model"))
-        _check_n(body)
+        oa.check_n(body)
         if body.get("suffix"):
-            raise _bad("suffix is not supported by this server", "suffix", code="unsupported_value")
-        stream = _get_bool(body, "stream")
-        include_usage = _stream_options(body, stream)
-        echo = _get_bool(body, "echo")
+            raise oa.bad("suffix is not supported by this server", "suffix", code="unsupported_value")
+        stream = oa.get_bool(body, "stream")
+        include_usage = oa.stream_options(body, stream)
+        echo = oa.get_bool(body, "echo")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -205,20 +87,20 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids, text = frontend.check_token_ids(prompt), None
         elif isinstance(prompt, list) and len(prompt) > 1:
-            raise _bad("batched prompts are not supported: send one prompt per request", "prompt",
+            raise oa.bad("batched prompts are not supported: send one prompt per request", "prompt",
                        code="unsupported_value")
         else:
-            raise _bad("prompt must be a string or a list of token ids", "prompt")
+            raise oa.bad("prompt must be a string or a list of token ids", "prompt")
         logprobs = body.get("logprobs")
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise _bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
+            raise oa.bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}", "logprobs")
         max_tokens = body.get("max_tokens", 16)
         score_only = echo and max_tokens == 0
         params = frontend.make_params(max_tokens=1 if score_only else max_tokens, logprobs=logprobs,
-                                      **_common_sampling(body))
+                                      **oa.common_sampling(body))
         await frontend.check_prompt_length(ids)
-        p = Prepared(frontend.new_request_id("cmpl"), ids, text, params, _get_stop(body), echo=echo,
+        p = Prepared(frontend.new_request_id("cmpl"), ids, text, params, oa.get_stop(body), echo=echo,
                      prompt_logprobs=logprobs if echo else None, endpoint="completions")
         p.score_only = score_only  # type: ignore[attr-defined]
         return p, stream, include_usage
@@ -239,7 +121,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
             p, stream, include_usage, gen, first = await begin(request, prepare_completion)
         except FrontendError as exc:
             metrics.count(endpoint, exc.status)
-            return _error(exc)
+            return oa.error(exc)
         model = frontend.served_model_name
 
         def chunk(text: str, lp: dict | None, finish: str | None) -> dict:
@@ -249,7 +131,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         want_lp = p.params.logprobs is not None
         if not stream:
             texts, lp_all, finish = [], None, None
-            lpc = _CompletionLogprobs()
+            lpc = oa.CompletionLogprobs()
             try:
                 async for ev in _chain(first, gen):
                     if isinstance(ev, (PromptEvent, DeltaEvent)):
@@ -264,31 +146,31 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
                 await gen.aclose()
             if finish.error is not None:
                 metrics.count(endpoint, finish.error.status)
-                return _error(finish.error)
+                return oa.error(finish.error)
             metrics.count(endpoint, 200)
             metrics.e2e.observe(time.perf_counter() - t0)
-            out = chunk("".join(texts), lp_all if want_lp else None, _finish_reason(finish))
-            out["usage"] = _usage(finish)
+            out = chunk("".join(texts), lp_all if want_lp else None, oa.finish_reason(finish))
+            out["usage"] = oa.usage(finish)
             return JSONResponse(out)
 
         async def sse() -> AsyncIterator[bytes]:
-            lpc = _CompletionLogprobs()
+            lpc = oa.CompletionLogprobs()
             status = 200
             try:
                 async for ev in _chain(first, gen):
                     if isinstance(ev, (PromptEvent, DeltaEvent)):
                         lp = lpc.add(ev.logprobs or []) if want_lp else None
                         if ev.text or (lp and lp["tokens"]):
-                            yield _sse(chunk(ev.text, lp, None))
+                            yield oa.sse(chunk(ev.text, lp, None))
                     elif ev.error is not None:
                         status = ev.error.status
-                        yield _sse(ev.error.to_openai())
+                        yield oa.sse(ev.error.to_openai())
                     else:
-                        yield _sse(chunk("", None, _finish_reason(ev)))
+                        yield oa.sse(chunk("", None, oa.finish_reason(ev)))
                         if include_usage:
-                            yield _sse({"id": p.request_id, "object": "text_completion", "created": created,
-                                        "model": model, "choices": [], "usage": _usage(ev)})
-                yield _DONE
+                            yield oa.sse({"id": p.request_id, "object": "text_completion", "created": created,
+                                        "model": model, "choices": [], "usage": oa.usage(ev)})
+                yield oa.DONE
             finally:
                 await gen.aclose()
                 metrics.count(endpoint, status)
@@ -300,11 +182,11 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
     def parse_messages(body: dict) -> list[dict]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise _bad("messages must be a non-empty list of {role, content} objects", "messages")
+            raise oa.bad("messages must be a non-empty list of {role, content} objects", "messages")
         out = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+                raise oa.bad(f"messages[{i}] must be an object with a string 'role'", "messages")
             content = m.get("content")
             if content is None:
                 content = ""
@@ -314,10 +196,10 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
                     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                         parts.append(part["text"])
                     else:
-                        raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+                        raise oa.bad(f"messages[{i}].content: only text parts are supported", "messages")
                 content = "".join(parts)
             elif not isinstance(content, str):
-                raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+                raise oa.bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
             msg = dict(m)
             msg["content"] = content
             out.append(msg)
@@ -325,25 +207,25 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
 
     async def prepare_chat(body: dict) -> tuple[Prepared, bool, bool]:
         frontend.check_model(body.get("model"))
-        _check_n(body)
-        stream = _get_bool(body, "stream")
-        include_usage = _stream_options(body, stream)
+        oa.check_n(body)
+        stream = oa.get_bool(body, "stream")
+        include_usage = oa.stream_options(body, stream)
         messages = parse_messages(body)
-        want_lp = _get_bool(body, "logprobs")
+        want_lp = oa.get_bool(body, "logprobs")
         top = body.get("top_logprobs")
         if top is not None:
             if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
-                raise _bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", "top_logprobs")
+                raise oa.bad(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", "top_logprobs")
             if not want_lp:
-                raise _bad("top_logprobs needs logprobs set to true", "top_logprobs")
+                raise oa.bad("top_logprobs needs logprobs set to true", "top_logprobs")
         ids, text = frontend.encode_chat(messages)
         await frontend.check_prompt_length(ids)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:
             max_tokens = max(1, frontend.max_context - len(ids))
         params = frontend.make_params(max_tokens=max_tokens, logprobs=(top or 0) if want_lp else None,
-                                      **_common_sampling(body))
-        p = Prepared(frontend.new_request_id("chatcmpl"), ids, text, params, _get_stop(body), endpoint="chat")
+                                      **oa.common_sampling(body))
+        p = Prepared(frontend.new_request_id("chatcmpl"), ids, text, params, oa.get_stop(body), endpoint="chat")
         return p, stream, include_usage
 
     @app.post("/v1/chat/completions")
@@ -355,7 +237,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
             p, stream, include_usage, gen, first = await begin(request, prepare_chat)
         except FrontendError as exc:
             metrics.count(endpoint, exc.status)
-            return _error(exc)
+            return oa.error(exc)
         model = frontend.served_model_name
         want_lp = p.params.logprobs is not None
 
@@ -373,15 +255,15 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
                 await gen.aclose()
             if finish.error is not None:
                 metrics.count(endpoint, finish.error.status)
-                return _error(finish.error)
+                return oa.error(finish.error)
             metrics.count(endpoint, 200)
             metrics.e2e.observe(time.perf_counter() - t0)
             return JSONResponse({
                 "id": p.request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(texts)},
-                             "logprobs": {"content": _chat_logprobs(lps), "refusal": None} if want_lp else None,
-                             "finish_reason": _finish_reason(finish)}],
-                "usage": _usage(finish)})
+                             "logprobs": {"content": oa.chat_logprobs(lps), "refusal": None} if want_lp else None,
+                             "finish_reason": oa.finish_reason(finish)}],
+                "usage": oa.usage(finish)})
 
         def chunk(delta: dict, lp: list | None, finish: str | None) -> dict:
             return {"id": p.request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -392,23 +274,23 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         async def sse() -> AsyncIterator[bytes]:
             status = 200
             try:
-                yield _sse(chunk({"role": "assistant", "content": ""}, None, None))
+                yield oa.sse(chunk({"role": "assistant", "content": ""}, None, None))
                 async for ev in _chain(first, gen):
                     if isinstance(ev, DeltaEvent):
-                        lp = _chat_logprobs(ev.logprobs or []) if want_lp else None
+                        lp = oa.chat_logprobs(ev.logprobs or []) if want_lp else None
                         if ev.text or lp:
-                            yield _sse(chunk({"content": ev.text}, lp, None))
+                            yield oa.sse(chunk({"content": ev.text}, lp, None))
                     elif isinstance(ev, FinishEvent):
                         if ev.error is not None:
                             status = ev.error.status
-                            yield _sse(ev.error.to_openai())
+                            yield oa.sse(ev.error.to_openai())
                         else:
-                            yield _sse(chunk({}, None, _finish_reason(ev)))
+                            yield oa.sse(chunk({}, None, oa.finish_reason(ev)))
                             if include_usage:
-                                yield _sse({"id": p.request_id, "object": "chat.completion.chunk",
+                                yield oa.sse({"id": p.request_id, "object": "chat.completion.chunk",
                                             "created": created, "model": model, "choices": [],
-                                            "usage": _usage(ev)})
-                yield _DONE
+                                            "usage": oa.usage(ev)})
+                yield oa.DONE
             finally:
                 await gen.aclose()
                 metrics.count(endpoint, status)
