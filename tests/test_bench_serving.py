@@ -66,3 +66,19 @@ def test_prompts_distinct_and_sized():
     assert len({p.split()[1] for p in prompts}) > 1     # random words after the head, not a fixed text
     assert bs.make_prompts(random.Random(1), 8, 100) != bs.make_prompts(random.Random(2), 8, 100)
     assert len(bs.WORDS) >= 300 and all(w.islower() and w.isalpha() for w in bs.WORDS)
+
+
+def test_compare_reports_the_issue_targets():
+    spec = importlib.util.spec_from_file_location(
+        "compare_serving", Path(__file__).resolve().parents[1] / "loadtest" / "compare_serving.py")
+    compare_serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_serving)
+    level = {"output_tok_s": 100.0, "ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "itl_p50_s": 0.1, "itl_p99_s": 0.4}
+    ours = {"c32": dict(level, output_tok_s=140.0), "c1": level,
+            "shared_prefix": {"ttft_cold_s": 2.0, "ttft_warm_s": 0.09, "warm_over_cold": 0.045}}
+    peer = {"c32": dict(level, itl_p99_s=1.0), "c1": level,
+            "shared_prefix": {"ttft_cold_s": 4.0, "ttft_warm_s": 0.08, "warm_over_cold": 0.02}}
+    out = compare_serving.compare(ours, peer)
+    assert "| 32 | 140.0 / 100.0 (1.40x)" in out and out.index("| 1 |") < out.index("| 32 |")
+    assert "met: c32 output tok/s >= 1.3x" in out and "met: c32 ITL p99 <= 0.5x" in out
+    assert "NOT met: warm TTFT <= peer's" in out and "met: warm TTFT <= 0.05x our cold" in out
