@@ -2,7 +2,8 @@
 
 Threads. The engine (scheduler/engine.py) is synchronous and single-threaded:
 one thread, the *engine loop*, owns it — it adds and aborts sequences, calls
-``Engine.step`` (whose executor makes one blocking Step call to the worker) and
+``Engine.step`` (which sends Step calls to the worker and waits for one result;
+during steady decoding the next step is already sent, see Engine.step) and
 turns the progress into ``SubmitEvent``s. The gRPC handlers run on an asyncio
 loop (grpc.aio); they never touch the engine. They hand work to the engine
 loop through an inbox (a deque under a condition variable, which also wakes
