@@ -51,6 +51,10 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if request.sampling.max_tokens < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be an integer >= 1")
         self.running += 1
+        # an RPC that terminates before its last event was cancelled by the client, however
+        # gRPC noticed it (during the sleep below, or when the next send failed)
+        ended = {"normally": False}
+        context.add_callback(lambda: ended["normally"] or self.cancelled.append(request.request_id))
         try:
             k = request.sampling.logprobs if request.sampling.HasField("logprobs") else -1
             first = True
@@ -58,6 +62,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             ids = self.reply_ids + [self.eos_id]
             for i, tid in enumerate(ids):
                 if request.sampling.max_tokens == 13 and i == 2:   # the worker "dies" mid-request
+                    ended["normally"] = True
                     context.abort(grpc.StatusCode.UNAVAILABLE, "worker-0 at 127.0.0.1:1 is down (connection refused)")
                 ev = scheduler_pb2.SubmitEvent()
                 if first and request.HasField("prompt_logprobs"):
@@ -78,12 +83,12 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                     ev.usage.prompt_tokens = n
                     ev.usage.completion_tokens = sent
                     ev.usage.total_tokens = n + sent
+                    ended["normally"] = True
                     yield ev
                     return
                 yield ev
                 time.sleep({77: 0.2, 40: 0.05}.get(request.sampling.max_tokens, 0.005))   # 77, 40: slow requests
                 if not context.is_active():
-                    self.cancelled.append(request.request_id)
                     return
         finally:
             self.running -= 1
@@ -244,14 +249,17 @@ def test_logprobs_and_echo(stack):
 def test_stop_strings(stack):
     c = stack.client()
     if stack.kind == "fake":
+        before = len(stack.fake.cancelled)
         out = c.completions.create(model=MODEL, prompt="x", max_tokens=40, stop=["STOP"])
         assert out.choices[0].text == FAKE_REPLY.split("STOP")[0]
         assert out.choices[0].finish_reason == "stop"
         chunks = list(c.completions.create(model=MODEL, prompt="x", max_tokens=40, stop="fake sched", stream=True))
         assert "".join(ch.choices[0].text for ch in chunks) == FAKE_REPLY.split("fake sched")[0]
-        # the upstream stream was cancelled once the stop string matched
-        time.sleep(0.3)
-        assert stack.fake.cancelled
+        # both upstream streams were cancelled once their stop string matched
+        deadline = time.time() + 10
+        while len(stack.fake.cancelled) < before + 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(stack.fake.cancelled) == before + 2
     else:
         base = c.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=0).choices[0].text
         assert len(base.strip()) > 2
