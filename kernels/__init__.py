@@ -39,8 +39,13 @@ class Backend(Protocol):
 
     def asarray(self, x: np.ndarray) -> Array: ...
     def to_numpy(self, x: Array) -> np.ndarray: ...
-    def prepare_weight(self, w: np.ndarray) -> Any:
-        """Take a float32 [out_features, in_features] matrix into the layout `matmul` wants."""
+    def prepare_weight(self, w: np.ndarray, encoded: list[tuple[np.ndarray, int, tuple[int, int]]] | None = None
+                       ) -> Any:
+        """Take a float32 [out_features, in_features] matrix into the layout `matmul` wants.
+
+        `encoded` lists the GGUF tensors w was decoded from (raw bytes, GGML type,
+        [out, in] shape; stacked along out), for backends that multiply the
+        quantized encoding directly."""
     def matmul(self, x: Array, w: Any) -> Array:
         """x [n, in] times the prepared weight -> [n, out]."""
     def prepare_embedding(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Any:

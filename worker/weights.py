@@ -47,7 +47,8 @@ class WeightLoader:
         """One prepared matrix from one or more [out, in] tensors stacked along `out` (e.g. fused Q|K|V)."""
         mats = [self.float32(name, shape) for name, shape in parts]
         w = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
-        return self.ops.prepare_weight(w)
+        encoded = [(self.gguf.raw(name), self.info(name, shape).ggml_type, tuple(shape)) for name, shape in parts]
+        return self.ops.prepare_weight(w, encoded)
 
 
 def _type_name(ggml_type: int) -> str:

@@ -1,0 +1,82 @@
+"""Attention of decode rows (one query token per sequence) straight from the paged KV cache.
+
+One task per (sequence, KV head), run in parallel: the group's query heads
+score every visible key by walking the block table (no gather copy of the
+context, no padding to the longest sequence), then softmax and the weighted
+sum of values. Compiled by numba; kernels/cpu/attention.py keeps a numpy path
+for machines without it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    njit = prange = None
+
+
+def available() -> bool:
+    return njit is not None
+
+
+def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.ndarray,
+                     ctx: np.ndarray, scale: float, window: int) -> np.ndarray:
+    """q [B, heads, d] -> [B, heads, d]; sequence b's query sits at position ctx[b] - 1."""
+    out = np.empty(q.shape, np.float32)
+    _kernel(np.ascontiguousarray(q, dtype=np.float32), k_cache, v_cache,
+            np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(ctx, dtype=np.int64),
+            np.float32(scale), int(window), out)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, out):  # pragma: no cover - numba
+    n_seqs, n_heads, dim = q.shape
+    n_kv = k_cache.shape[0]
+    block_size = k_cache.shape[2]
+    group = n_heads // n_kv
+    for task in prange(n_seqs * n_kv):
+        b = task // n_kv
+        kv = task % n_kv
+        n = ctx[b]
+        lo = 0
+        if window > 0:
+            lo = max(0, n - window)          # keys k with p - window < k <= p, p = n - 1
+        span = n - lo
+        scores = np.empty((group, span), np.float32)
+        qs = np.empty((group, dim), np.float32)
+        for g in range(group):
+            for d in range(dim):
+                qs[g, d] = q[b, kv * group + g, d] * scale
+        for t in range(lo, n):
+            key = k_cache[kv, tables[b, t // block_size], t % block_size]
+            for g in range(group):
+                acc = np.float32(0.0)
+                for d in range(dim):
+                    acc += qs[g, d] * key[d]
+                scores[g, t - lo] = acc
+        totals = np.empty(group, np.float32)
+        for g in range(group):
+            best = scores[g, 0]
+            for i in range(1, span):
+                best = max(best, scores[g, i])
+            total = np.float32(0.0)
+            for i in range(span):
+                e = np.exp(scores[g, i] - best)
+                scores[g, i] = e
+                total += e
+            totals[g] = total
+        acc_out = np.zeros((group, dim), np.float32)
+        for t in range(lo, n):
+            value = v_cache[kv, tables[b, t // block_size], t % block_size]
+            for g in range(group):
+                w = scores[g, t - lo]
+                for d in range(dim):
+                    acc_out[g, d] += w * value[d]
+        for g in range(group):
+            inv = np.float32(1.0) / totals[g]
+            for d in range(dim):
+                out[b, kv * group + g, d] = acc_out[g, d] * inv
+
+
+_kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None

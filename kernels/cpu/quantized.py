@@ -1,0 +1,207 @@
+"""Matrix products that read the GGUF's quantized weights directly (few-row inputs: decode).
+
+A decode step multiplies one row (or a few) by every weight matrix, so it is
+bound by the bytes it reads. float32 weights read 4 bytes a weight; here each
+matrix is kept as integer codes (1 byte for the 4/5/8-bit block types, 2 for
+the k-quants whose sub-block scales multiply into the codes) plus a float32
+scale and offset per group of 32 (or 16) inputs, so that
+
+    weight[n, k] == scale[n, k // G] * code[n, k] + offset[n, k // G]
+
+holds *exactly* for the values ggml's dequantization gives (checked when the
+weight is prepared). The kernel computes, per output n and input group g,
+scale * sum(x * code) + offset * sum(x): the same weights, summed in another
+order than OpenBLAS's sgemm.
+
+Codes are stored in tiles of 64 outputs, [n_tiles, K, 64], so one tile is a
+contiguous stream and the inner loop runs across 64 outputs in vector
+registers (numba, LLVM, AVX2/AVX-512 as the machine has).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from shared.dequant import dequantize
+
+try:  # numba is a dependency; without it every product goes through OpenBLAS
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    njit = prange = None
+
+TILE = 64
+
+# byte offsets of the fp16 block scale ("d") and, where the type has one, the
+# fp16 block minimum / min-scale ("m", "dmin") inside one block (ggml-common.h)
+_SCALE_FIELDS: dict[int, tuple[int, int | None]] = {
+    int(T.Q4_0): (0, None), int(T.Q4_1): (0, 2), int(T.Q5_0): (0, None), int(T.Q5_1): (0, 2),
+    int(T.Q8_0): (0, None), int(T.Q2_K): (80, 82), int(T.Q3_K): (108, None),
+    int(T.Q4_K): (0, 2), int(T.Q5_K): (0, 2), int(T.Q6_K): (208, None),
+}
+_ONE_F16 = np.array([1.0], np.float16).view(np.uint8)
+_ZERO_F16 = np.array([0.0], np.float16).view(np.uint8)
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """An [out, in] matrix as integer codes with per-group scale and offset, tiled by outputs."""
+    codes: np.ndarray      # int8 or int16 [n_tiles, in, TILE]
+    scale: np.ndarray      # float32 [n_tiles, in // group, TILE]
+    offset: np.ndarray     # float32 [n_tiles, in // group, TILE], or [0, 0, 0] when every offset is 0
+    out_features: int
+    in_features: int
+    group: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.offset.nbytes
+
+
+def available() -> bool:
+    return njit is not None
+
+
+def _with_fields(blocks: np.ndarray, field: int, value: np.ndarray, other: int | None,
+                 other_value: np.ndarray | None) -> np.ndarray:
+    b = blocks.copy()
+    b[:, field:field + 2] = value
+    if other is not None and other_value is not None:
+        b[:, other:other + 2] = other_value
+    return b
+
+
+def split_codes(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(codes, block scale, offset) of an [out, in] tensor, or None for types without integer codes.
+
+    codes and offset are float32 [out, in], the scale [out, in // block_size].
+    The block scale is set to 1 and the minimum to 0 to read the integer codes
+    through ggml's own decoding; the scale alone set to 0 gives the offsets.
+    """
+    fields = _SCALE_FIELDS.get(int(ggml_type))
+    if fields is None:
+        return None
+    from gguf import GGML_QUANT_SIZES
+    block_size, type_size = GGML_QUANT_SIZES[T(int(ggml_type))]
+    n_out, n_in = shape
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, type_size)
+    d_at, m_at = fields
+    codes = dequantize(_with_fields(blocks, d_at, _ONE_F16, m_at, _ZERO_F16).reshape(-1), ggml_type, shape)
+    offset = (dequantize(_with_fields(blocks, d_at, _ZERO_F16, None, None).reshape(-1), ggml_type, shape)
+              if m_at is not None else np.zeros(shape, np.float32))
+    scale = blocks[:, d_at:d_at + 2].copy().view(np.float16).astype(np.float32).reshape(n_out, n_in // block_size)
+    return codes, scale, offset
+
+
+_CHUNK_ROWS = 8192
+
+
+def quantize_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]]) -> QuantizedMatrix | None:
+    """One QuantizedMatrix from [out, in] GGUF tensors stacked along `out`, or None when a part's
+    type has no integer codes (F32/F16/BF16) or the codes do not reproduce ggml's values exactly."""
+    if not available():
+        return None
+    from gguf import GGML_QUANT_SIZES
+    n_in = parts[0][2][1]
+    if n_in % 16:
+        return None
+    codes_out, scale_out, offset_out = [], [], []
+    for raw, ggml_type, (n_out, part_in) in parts:
+        if int(ggml_type) not in _SCALE_FIELDS or part_in != n_in:
+            return None
+        block_size, type_size = GGML_QUANT_SIZES[T(int(ggml_type))]
+        row_bytes = n_in // block_size * type_size
+        raw = np.asarray(raw, dtype=np.uint8).reshape(n_out, row_bytes)
+        for r0 in range(0, n_out, _CHUNK_ROWS):
+            rows = raw[r0:r0 + _CHUNK_ROWS]
+            shape = (rows.shape[0], n_in)
+            codes, scale, offset = split_codes(rows.reshape(-1), ggml_type, shape)
+            weight = (codes.reshape(shape[0], -1, block_size) * scale[:, :, None]).reshape(shape)
+            weight += offset
+            if not np.array_equal(weight, dequantize(rows.reshape(-1), ggml_type, shape)):
+                return None
+            if not (_constant_in_groups(offset, 16) and np.array_equal(codes, np.rint(codes))):
+                return None
+            lo, hi = codes.min(initial=0), codes.max(initial=0)
+            if lo < -32768 or hi > 32767:
+                return None
+            codes_out.append(codes.astype(np.int16))
+            scale_out.append(np.repeat(scale, block_size // 16, axis=1))
+            offset_out.append(offset[:, ::16])
+    codes = np.concatenate(codes_out)
+    scale16 = np.concatenate(scale_out)
+    offset16 = np.concatenate(offset_out)
+    group = 32 if (_constant_in_groups(scale16, 2) and _constant_in_groups(offset16, 2)) else 16
+    step = group // 16
+    scale_g, offset_g = scale16[:, ::step], offset16[:, ::step]
+    lo, hi = codes.min(initial=0), codes.max(initial=0)
+    if -128 <= lo and hi <= 127:
+        codes = codes.astype(np.int8)
+    return QuantizedMatrix(
+        codes=_tile(codes), scale=_tile(scale_g),
+        offset=_tile(offset_g) if np.any(offset_g) else np.zeros((0, 0, 0), np.float32),
+        out_features=codes.shape[0], in_features=n_in, group=group)
+
+
+def _constant_in_groups(a: np.ndarray, group: int) -> bool:
+    g = a.reshape(a.shape[0], -1, group)
+    return bool(np.array_equal(g, np.broadcast_to(g[:, :, :1], g.shape)))
+
+
+def _tile(a: np.ndarray) -> np.ndarray:
+    """[out, k] -> [ceil(out / TILE), k, TILE], zero-padded."""
+    n_out, k = a.shape
+    n_tiles = -(-n_out // TILE)
+    padded = np.zeros((n_tiles * TILE, k), a.dtype)
+    padded[:n_out] = a
+    return np.ascontiguousarray(padded.reshape(n_tiles, TILE, k).transpose(0, 2, 1))
+
+
+def matmul(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
+    """x float32 [m, in] times the matrix -> float32 [m, out]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m = x.shape[0]
+    out = np.empty((m, w.codes.shape[0] * TILE), np.float32)
+    if w.offset.size:
+        group_sums = x.reshape(m, -1, w.group).sum(axis=2, dtype=np.float32)
+    else:
+        group_sums = np.zeros((m, 0), np.float32)
+    _kernel(x, w.codes, w.scale, w.offset, group_sums, out)
+    return out[:, :w.out_features] if out.shape[1] != w.out_features else out
+
+
+def _qmatmul(x, codes, scale, offset, group_sums, out):  # pragma: no cover - compiled by numba
+    m_rows, k_in = x.shape
+    n_tiles = codes.shape[0]
+    n_groups = scale.shape[1]
+    group = k_in // n_groups
+    has_offset = offset.shape[0] > 0
+    for t in prange(n_tiles):
+        c = codes[t]
+        sc = scale[t]
+        acc = np.empty(TILE, np.float32)
+        part = np.empty(TILE, np.float32)
+        for m in range(m_rows):
+            for j in range(TILE):
+                acc[j] = 0.0
+            for g in range(n_groups):
+                for j in range(TILE):
+                    part[j] = 0.0
+                for kk in range(group):
+                    k = g * group + kk
+                    xv = x[m, k]
+                    for j in range(TILE):
+                        part[j] += xv * np.float32(c[k, j])
+                for j in range(TILE):
+                    acc[j] += sc[g, j] * part[j]
+                if has_offset:
+                    xs = group_sums[m, g]
+                    for j in range(TILE):
+                        acc[j] += xs * offset[t, g, j]
+            for j in range(TILE):
+                out[m, t * TILE + j] = acc[j]
+
+
+_kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_qmatmul) if available() else None
