@@ -107,14 +107,14 @@ def test_backend_uses_codes_for_few_rows_and_sgemm_for_many():
     w = ops.prepare_weight(dense, [(raw, T.Q4_K, shape)])
     assert w.codes is not None
     np.testing.assert_array_equal(w.dense, dense.T)
-    for rows in (1, cpu_backend.QUANTIZED_MAX_ROWS, cpu_backend.QUANTIZED_MAX_ROWS + 1, 32):
+    for rows in (1, quantized.COMPILED_MAX_ROWS, quantized.COMPILED_MAX_ROWS + 1, 32):
         x = rng.standard_normal((rows, shape[1])).astype(np.float32)
         assert_product_close(ops.matmul(x, w), x.astype(np.float64) @ dense.astype(np.float64).T)
     # the switch itself: a product the codes cannot give (poisoned codes) shows which path ran
     poisoned = cpu_backend.Linear(w.dense, quantized.QuantizedMatrix(
         np.zeros_like(w.codes.codes), w.codes.scale, w.codes.offset, 192, 512, w.codes.group))
     x1 = rng.standard_normal((1, 512)).astype(np.float32)
-    xn = rng.standard_normal((cpu_backend.QUANTIZED_MAX_ROWS + 1, 512)).astype(np.float32)
+    xn = rng.standard_normal((quantized.COMPILED_MAX_ROWS + 1, 512)).astype(np.float32)
     assert not np.allclose(ops.matmul(x1, poisoned), x1 @ w.dense)
     np.testing.assert_array_equal(ops.matmul(xn, poisoned), xn @ w.dense)
     # and a backend told not to keep codes

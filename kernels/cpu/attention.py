@@ -13,7 +13,7 @@ import functools
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import decode_attention
+from kernels.cpu import decode_attention, quantized
 
 QUERY_TILE = 128
 
@@ -25,7 +25,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     single = (meta.query_lens == 1) & meta.causal
     if single.any():
         seqs = np.flatnonzero(single)
-        decode = decode_attention.decode_attention if decode_attention.available() else _decode
+        compiled = decode_attention.available() and q.shape[0] <= quantized.COMPILED_MAX_ROWS
+        decode = decode_attention.decode_attention if compiled else _decode
         out[starts[seqs]] = decode(q[starts[seqs]], k_cache, v_cache, meta.block_tables[seqs],
                                     meta.context_lens[seqs], scale, window)
     for i in np.flatnonzero(~single):

@@ -10,10 +10,6 @@ from kernels.cpu import attention, quantized
 from kernels.cpu.quantized import QuantizedMatrix
 from shared.dequant import dequantize_rows
 
-# Products with at most this many rows read the quantized codes (memory-bound:
-# fewer bytes win); larger ones are compute-bound and go to OpenBLAS's sgemm.
-QUANTIZED_MAX_ROWS = 4
-
 
 @dataclass(frozen=True)
 class QuantizedRows:
@@ -55,7 +51,7 @@ class CPUBackend:
         return Linear(dense, codes)
 
     def matmul(self, x: np.ndarray, w: Linear) -> np.ndarray:
-        if w.codes is not None and x.shape[0] <= QUANTIZED_MAX_ROWS:
+        if w.codes is not None and x.shape[0] <= quantized.COMPILED_MAX_ROWS:
             return quantized.matmul(x, w.codes)
         return x @ w.dense
 

@@ -33,6 +33,13 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 
 TILE = 64
 
+# Forward passes with at most this many rows run their products (here) and their
+# decode attention (kernels/cpu/decode_attention.py) on numba's threads; larger
+# ones are compute-bound and run on OpenBLAS's sgemm. The two thread pools are
+# never interleaved within a pass: on a 2-core machine a switch costs
+# milliseconds while the other pool's threads still spin.
+COMPILED_MAX_ROWS = 4
+
 # byte offsets of the fp16 block scale ("d") and, where the type has one, the
 # fp16 block minimum / min-scale ("m", "dmin") inside one block (ggml-common.h)
 _SCALE_FIELDS: dict[int, tuple[int, int | None]] = {
