@@ -1,9 +1,10 @@
 """Forward-pass benchmark of the in-process engine on the bundled models.
 
 Prints, per model: prefill tok/s (one 512-token prompt), single-sequence decode
-tok/s, decode tok/s with 32 sequences in one batch, the memory-bandwidth bound
-on single-sequence decode (float32 weight bytes read per token over the
-bandwidth measured here), and peak resident memory. Each model runs in its own
+tok/s, decode tok/s with 32 sequences in one batch, the memory-bandwidth bounds
+on single-sequence decode (weight bytes one token reads, over the bandwidth
+measured here: in the form the decode step reads them, i.e. the integer codes
+of kernels/cpu/quantized.py, and as float32), and peak resident memory. Each model runs in its own
 subprocess so peak memory is its own. With --peer-python (a venv that has
 llama-cpp-python) it runs loadtest/peer_llamacpp.py on the same GGUF files in
 the same run and prints the ratios.
@@ -167,17 +168,19 @@ def main() -> int:
         return 0
     print(f"memory bandwidth (1 x 16384 @ 16384 x 16384 float32): {bandwidth:.1f} GB/s")
     head = f"{'model':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'bound tok/s':>12} {'of bound':>9} " \
-           f"{'32-seq tok/s':>13} {'peak RSS MiB':>13}"
+           f"{'fp32 bound':>11} {'of fp32':>8} {'32-seq tok/s':>13} {'peak RSS MiB':>13}"
     print(head)
     for name, r, peer in rows:
         print(f"{name:<14} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} {r['decode_bound_tok_s']:>12.1f} "
-              f"{r['decode_tok_s'] / r['decode_bound_tok_s']:>9.2f} {r['batch32_decode_tok_s']:>13.1f} "
+              f"{r['decode_tok_s'] / r['decode_bound_tok_s']:>9.2f} {r['decode_bound_fp32_tok_s']:>11.1f} "
+              f"{r['decode_tok_s'] / r['decode_bound_fp32_tok_s']:>8.2f} {r['batch32_decode_tok_s']:>13.1f} "
               f"{r['peak_rss_mib']:>13.0f}")
         if peer:
             print(f"{'  llama.cpp':<14} {peer['prefill_tok_s']:>14.1f} {peer['decode_tok_s']:>13.1f} {'':>12} {'':>9} "
+                  f"{'':>11} {'':>8} "
                   f"{peer.get('batch32_decode_tok_s', float('nan')):>13.1f} {peer['peak_rss_mib']:>13.0f}")
             print(f"{'  ratio':<14} {r['prefill_tok_s'] / peer['prefill_tok_s']:>14.2f} "
-                  f"{r['decode_tok_s'] / peer['decode_tok_s']:>13.2f} {'':>12} {'':>9} "
+                  f"{r['decode_tok_s'] / peer['decode_tok_s']:>13.2f} {'':>12} {'':>9} {'':>11} {'':>8} "
                   f"{r['batch32_decode_tok_s'] / peer.get('batch32_decode_tok_s', float('nan')):>13.2f}")
     return 0
 

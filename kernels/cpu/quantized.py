@@ -134,22 +134,19 @@ def quantize_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]]) -> Quan
             lo, hi = codes.min(initial=0), codes.max(initial=0)
             if lo < -32768 or hi > 32767:
                 return None
-            codes_out.append(codes.astype(np.int16))
+            codes_out.append(codes.astype(np.int8 if -128 <= lo and hi <= 127 else np.int16))
             scale_out.append(np.repeat(scale, block_size // 16, axis=1))
             offset_out.append(offset[:, ::16])
-    codes = np.concatenate(codes_out)
     scale16 = np.concatenate(scale_out)
     offset16 = np.concatenate(offset_out)
     group = 32 if (_constant_in_groups(scale16, 2) and _constant_in_groups(offset16, 2)) else 16
     step = group // 16
     scale_g, offset_g = scale16[:, ::step], offset16[:, ::step]
-    lo, hi = codes.min(initial=0), codes.max(initial=0)
-    if -128 <= lo and hi <= 127:
-        codes = codes.astype(np.int8)
+    dtype = np.int8 if all(c.dtype == np.int8 for c in codes_out) else np.int16
     return QuantizedMatrix(
-        codes=_tile(codes), scale=_tile(scale_g),
-        offset=_tile(offset_g) if np.any(offset_g) else np.zeros((0, 0, 0), np.float32),
-        out_features=codes.shape[0], in_features=n_in, group=group)
+        codes=_tile(codes_out, dtype), scale=_tile([scale_g], np.float32),
+        offset=_tile([offset_g], np.float32) if np.any(offset_g) else np.zeros((0, 0, 0), np.float32),
+        out_features=scale16.shape[0], in_features=n_in, group=group)
 
 
 def _constant_in_groups(a: np.ndarray, group: int) -> bool:
@@ -157,13 +154,22 @@ def _constant_in_groups(a: np.ndarray, group: int) -> bool:
     return bool(np.array_equal(g, np.broadcast_to(g[:, :, :1], g.shape)))
 
 
-def _tile(a: np.ndarray) -> np.ndarray:
-    """[out, k] -> [ceil(out / TILE), k, TILE], zero-padded."""
-    n_out, k = a.shape
+def _tile(row_chunks: list[np.ndarray], dtype) -> np.ndarray:
+    """[out, k] (given as chunks of rows) -> [ceil(out / TILE), k, TILE], zero-padded."""
+    n_out, k = sum(c.shape[0] for c in row_chunks), row_chunks[0].shape[1]
     n_tiles = -(-n_out // TILE)
-    padded = np.zeros((n_tiles * TILE, k), a.dtype)
-    padded[:n_out] = a
-    return np.ascontiguousarray(padded.reshape(n_tiles, TILE, k).transpose(0, 2, 1))
+    tiles = np.zeros((n_tiles, k, TILE), dtype)
+    row = 0
+    for chunk in row_chunks:
+        for r0 in range(0, chunk.shape[0], TILE):       # one tile's rows at a time: no full-size temporary
+            part = chunk[r0:r0 + TILE]
+            t, j = divmod(row, TILE)
+            while part.shape[0]:
+                take = min(TILE - j, part.shape[0])
+                tiles[t, :, j:j + take] = part[:take].T
+                part, row = part[take:], row + take
+                t, j = divmod(row, TILE)
+    return tiles
 
 
 def matmul(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
