@@ -22,7 +22,7 @@ from typing import Callable
 import grpc
 
 from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from shared.shm import TensorCodec, resolve_transport
+from shared.tensor_codec import TensorCodec, resolve_transport
 from shared.step import StepRequest, StepResult
 from shared.step_codec import step_request_to_proto, step_result_from_proto
 

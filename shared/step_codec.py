@@ -12,7 +12,7 @@ import numpy as np
 
 from protos.tensorserve.v1 import common_pb2, worker_pb2
 from shared.sampling_params import SamplingParams
-from shared.shm import TensorCodec
+from shared.tensor_codec import TensorCodec
 from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 
 __all__ = ["sampling_params_to_proto", "sampling_params_from_proto", "step_request_to_proto",

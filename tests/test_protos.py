@@ -9,7 +9,8 @@ import pytest
 from protos import generate as protogen
 from protos.tensorserve.v1 import common_pb2, router_pb2, scheduler_pb2, worker_pb2
 from shared.sampling_params import SamplingParams
-from shared.shm import ShmArena, TensorCodec
+from shared.shm import ShmArena
+from shared.tensor_codec import TensorCodec
 from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 from shared.step_codec import (sampling_params_from_proto, sampling_params_to_proto, step_request_from_proto,
                                step_request_to_proto, step_result_from_proto, step_result_to_proto)

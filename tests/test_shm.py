@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from shared import shm
-from shared.shm import (SHM_DIR, ShmArena, ShmReader, TensorCodec, TensorRef, is_local_address,
-                        resolve_transport, sweep_stale_segments)
+from shared import tensor_codec
+from shared.shm import SHM_DIR, ShmArena, ShmReader, TensorRef, sweep_stale_segments
+from shared.tensor_codec import TensorCodec, is_local_address, resolve_transport
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
@@ -136,11 +137,11 @@ def test_shm_codec_sends_small_arrays_inline():
 
 
 def test_transport_setting(monkeypatch):
-    monkeypatch.delenv(shm.TRANSPORT_ENV, raising=False)
+    monkeypatch.delenv(tensor_codec.TRANSPORT_ENV, raising=False)
     assert resolve_transport(None, "127.0.0.1:50052") == "shm"
     assert resolve_transport(None, "worker:50052") == "inline"
     assert resolve_transport("inline", "localhost:1") == "inline"
-    monkeypatch.setenv(shm.TRANSPORT_ENV, "inline")
+    monkeypatch.setenv(tensor_codec.TRANSPORT_ENV, "inline")
     assert resolve_transport(None, "[::1]:50052") == "inline"
     with pytest.raises(ValueError, match="shm, inline or auto"):
         resolve_transport("rdma")

@@ -17,7 +17,8 @@ import pytest
 from processes import start_with_ready_file, stop
 from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.sampling_params import SamplingParams
-from shared.shm import SHM_DIR, TensorCodec
+from shared.shm import SHM_DIR
+from shared.tensor_codec import TensorCodec
 from shared.step import SeqChunk, StepRequest
 from shared.step_codec import step_request_to_proto, step_result_from_proto
 from tests.conftest import load_fixture

@@ -25,7 +25,8 @@ import grpc
 import numpy as np
 
 from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from shared.shm import ShmArena, ShmReader, TensorCodec, is_local_address
+from shared.shm import ShmArena, ShmReader
+from shared.tensor_codec import TensorCodec, is_local_address
 from shared.step import StepRequest
 from shared.step_codec import step_request_from_proto, step_result_to_proto
 from worker.model_runner import ModelRunner
@@ -46,7 +47,7 @@ class BadStep(ValueError):
 
 def peer_host(peer: str) -> str:
     """context.peer() ("ipv4:127.0.0.1:5432", "ipv6:[::1]:5432", "unix:/path") to an address
-    shared.shm.is_local_address understands."""
+    shared.tensor_codec.is_local_address understands."""
     if peer.startswith(("ipv4:", "ipv6:")):
         return peer.split(":", 1)[1]
     return peer
