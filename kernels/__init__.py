@@ -37,6 +37,8 @@ class AttentionMetadata:
 class Backend(Protocol):
     name: str
 
+    def warm_up(self) -> None:
+        """Prepare compiled kernels before the first request (a no-op where there are none)."""
     def asarray(self, x: np.ndarray) -> Array: ...
     def to_numpy(self, x: Array) -> np.ndarray: ...
     def prepare_weight(self, w: np.ndarray, encoded: list[tuple[np.ndarray, int, tuple[int, int]]] | None = None

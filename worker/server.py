@@ -71,6 +71,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._closed = False
         self.steps = 0
         self._last_step_end = 0.0
+        # Every forward runs on this one thread, whichever RPC thread received the step: the
+        # compiled kernels' OpenMP runtime keeps a thread team per launching thread, and teams
+        # of several RPC threads would spin against each other for the same cores.
+        self._model_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     # ------------------------------------------------------------------ helpers
     def _response_codec(self, request: worker_pb2.StepRequest, context) -> TensorCodec:
@@ -176,7 +180,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             step = step_request_from_proto(request, self._decoder)
             self._validate(step)
             t1 = time.perf_counter()
-            result = self.runner.execute(step)
+            result = self._model_thread.submit(self.runner.execute, step).result()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("step %d: %d chunks, %d tokens, decode+validate %.1f ms, execute %.1f ms, "
                           "%.1f ms since the previous step returned",
@@ -218,6 +222,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 arena.close()
             self._arenas.clear()
             self._reader.close()
+        self._model_thread.shutdown(wait=False)
 
 
 def start_server(servicer: WorkerServicer, host: str, port: int, max_workers: int = 8) -> tuple[grpc.Server, int]:

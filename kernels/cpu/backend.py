@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import attention, quantized
+from kernels.cpu import attention, decode_attention, quantized
 from kernels.cpu.quantized import QuantizedMatrix
 from shared.dequant import dequantize_rows
 
@@ -33,6 +33,12 @@ class CPUBackend:
         self.quantized_matmul = quantized_matmul and quantized.available()
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
 
+    def warm_up(self) -> None:
+        """Compile the numba kernels now (a few seconds the first time, then from numba's cache)."""
+        if self.quantized_matmul:
+            quantized.warm_up()
+            decode_attention.warm_up()
+
     # --- arrays -----------------------------------------------------------
     def asarray(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(x, dtype=np.float32)
@@ -47,7 +53,7 @@ class CPUBackend:
         # inputs in this layout than with a transposed [out, in] operand, and
         # equal on single rows (loadtest measurements, docs/BENCHMARKS.md).
         dense = np.ascontiguousarray(w.T, dtype=np.float32)
-        codes = quantized.quantize_parts(encoded) if encoded and self.quantized_matmul else None
+        codes = quantized.quantize_parts(encoded, w) if encoded and self.quantized_matmul else None
         return Linear(dense, codes)
 
     def matmul(self, x: np.ndarray, w: Linear) -> np.ndarray:

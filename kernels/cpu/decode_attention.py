@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.cpu.quantized import dynamic_schedule
+
 try:
     from numba import njit, prange
 except ImportError:  # pragma: no cover - exercised only where numba is missing
@@ -24,9 +26,10 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, ta
                      ctx: np.ndarray, scale: float, window: int) -> np.ndarray:
     """q [B, heads, d] -> [B, heads, d]; sequence b's query sits at position ctx[b] - 1."""
     out = np.empty(q.shape, np.float32)
-    _kernel(np.ascontiguousarray(q, dtype=np.float32), k_cache, v_cache,
-            np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(ctx, dtype=np.int64),
-            np.float32(scale), int(window), out)
+    with dynamic_schedule(1):
+        _kernel(np.ascontiguousarray(q, dtype=np.float32), k_cache, v_cache,
+                np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(ctx, dtype=np.int64),
+                np.float32(scale), int(window), out)
     return out
 
 
@@ -80,3 +83,11 @@ def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, out):  # 
 
 
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel, so no request waits for it."""
+    if available():
+        cache = np.zeros((1, 1, 16, 8), np.float32)
+        decode_attention(np.ones((1, 2, 8), np.float32), cache, cache, np.zeros((1, 1), np.int64),
+                         np.ones(1, np.int64), 1.0, 0)

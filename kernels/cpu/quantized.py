@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as T
 from shared.dequant import dequantize
 
 try:  # numba is a dependency; without it every product goes through OpenBLAS
-    from numba import njit, prange
+    from numba import get_parallel_chunksize, njit, prange, set_parallel_chunksize
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = prange = None
 
@@ -47,7 +47,6 @@ _SCALE_FIELDS: dict[int, tuple[int, int | None]] = {
     int(T.Q8_0): (0, None), int(T.Q2_K): (80, 82), int(T.Q3_K): (108, None),
     int(T.Q4_K): (0, 2), int(T.Q5_K): (0, 2), int(T.Q6_K): (208, None),
 }
-_ONE_F16 = np.array([1.0], np.float16).view(np.uint8)
 _ZERO_F16 = np.array([0.0], np.float16).view(np.uint8)
 
 
@@ -79,13 +78,16 @@ def _with_fields(blocks: np.ndarray, field: int, value: np.ndarray, other: int |
     return b
 
 
-def split_codes(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]
+def split_codes(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], weight: np.ndarray | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(codes, block scale, offset) of an [out, in] tensor, or None for types without integer codes.
+    """(codes int16 [out, in], block scale [out, in // block_size], offset per 16 inputs [out, in // 16]),
+    or None for types without integer codes or codes that do not reproduce the weights exactly.
 
-    codes and offset are float32 [out, in], the scale [out, in // block_size].
-    The block scale is set to 1 and the minimum to 0 to read the integer codes
-    through ggml's own decoding; the scale alone set to 0 gives the offsets.
+    `weight` is the tensor's float32 decoding when the caller has it. The scale
+    is each block's fp16 "d"; the offset the block minimum "m" (Q4_1, Q5_1), or
+    for the k-quants ggml's own decoding with "d" set to 0; the codes are
+    (weight - offset) / scale, accepted only if fl(scale * code) + offset gives
+    back every weight bit for bit.
     """
     fields = _SCALE_FIELDS.get(int(ggml_type))
     if fields is None:
@@ -93,21 +95,65 @@ def split_codes(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]
     from gguf import GGML_QUANT_SIZES
     block_size, type_size = GGML_QUANT_SIZES[T(int(ggml_type))]
     n_out, n_in = shape
+    n_blocks = n_in // block_size
     blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, type_size)
+    if weight is None:
+        weight = dequantize(blocks.reshape(-1), ggml_type, shape)
     d_at, m_at = fields
-    codes = dequantize(_with_fields(blocks, d_at, _ONE_F16, m_at, _ZERO_F16).reshape(-1), ggml_type, shape)
-    offset = (dequantize(_with_fields(blocks, d_at, _ZERO_F16, None, None).reshape(-1), ggml_type, shape)
-              if m_at is not None else np.zeros(shape, np.float32))
-    scale = blocks[:, d_at:d_at + 2].copy().view(np.float16).astype(np.float32).reshape(n_out, n_in // block_size)
+    scale = _f16(blocks, d_at).reshape(n_out, n_blocks)
+    if m_at is None:
+        offset = np.zeros((n_out, n_in // 16), np.float32)
+    elif block_size == 32:                                   # Q4_1, Q5_1: y = d * q + m
+        offset = np.repeat(_f16(blocks, m_at).reshape(n_out, n_blocks), 2, axis=1)
+    else:                                                    # k-quants: y = d * (sc * q) - dmin * m_sub
+        offset = dequantize(_with_fields(blocks, d_at, _ZERO_F16, None, None).reshape(-1), ggml_type,
+                            shape)[:, ::16].copy()
+    codes = np.empty(shape, np.int16)
+    if not _encode(np.ascontiguousarray(weight, dtype=np.float32), scale, offset, block_size, codes):
+        return None
     return codes, scale, offset
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32).reshape(-1)
+
+
+def _encode_rows(weight, scale, offset16, block_size, codes):  # pragma: no cover - compiled by numba
+    """codes = rint((w - offset) / scale); False unless fl(scale * code) + offset == w everywhere."""
+    n_rows, n_in = weight.shape
+    ok = np.ones(n_rows, np.bool_)
+    for i in prange(n_rows):
+        for k in range(n_in):
+            d = scale[i, k // block_size]
+            off = offset16[i, k // 16]
+            w = weight[i, k]
+            c = np.float32(0.0)
+            if d != 0:
+                c = np.float32(np.rint((w - off) / d))
+            if not (c >= -32768.0 and c <= 32767.0):
+                ok[i] = False
+                break
+            back = np.float32(d * c)
+            if off != 0:
+                back = np.float32(back + off)
+            if back != w:
+                ok[i] = False
+                break
+            codes[i, k] = np.int16(c)
+    return ok.all()
+
+
+_encode = njit(parallel=True, cache=True)(_encode_rows) if njit is not None else None
 
 
 _CHUNK_ROWS = 8192
 
 
-def quantize_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]]) -> QuantizedMatrix | None:
+def quantize_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]], dense: np.ndarray | None = None
+                   ) -> QuantizedMatrix | None:
     """One QuantizedMatrix from [out, in] GGUF tensors stacked along `out`, or None when a part's
-    type has no integer codes (F32/F16/BF16) or the codes do not reproduce ggml's values exactly."""
+    type has no integer codes (F32/F16/BF16) or the codes do not reproduce ggml's values exactly.
+    `dense`, when given, is the stacked float32 decoding of the parts (saves decoding them again)."""
     if not available():
         return None
     from gguf import GGML_QUANT_SIZES
@@ -115,6 +161,7 @@ def quantize_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]]) -> Quan
     if n_in % 16:
         return None
     codes_out, scale_out, offset_out = [], [], []
+    first_row = 0
     for raw, ggml_type, (n_out, part_in) in parts:
         if int(ggml_type) not in _SCALE_FIELDS or part_in != n_in:
             return None
@@ -124,19 +171,16 @@ def quantize_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]]) -> Quan
         for r0 in range(0, n_out, _CHUNK_ROWS):
             rows = raw[r0:r0 + _CHUNK_ROWS]
             shape = (rows.shape[0], n_in)
-            codes, scale, offset = split_codes(rows.reshape(-1), ggml_type, shape)
-            weight = (codes.reshape(shape[0], -1, block_size) * scale[:, :, None]).reshape(shape)
-            weight += offset
-            if not np.array_equal(weight, dequantize(rows.reshape(-1), ggml_type, shape)):
+            weight = dense[first_row + r0:first_row + r0 + shape[0]] if dense is not None else None
+            split = split_codes(rows.reshape(-1), ggml_type, shape, weight)
+            if split is None:
                 return None
-            if not (_constant_in_groups(offset, 16) and np.array_equal(codes, np.rint(codes))):
-                return None
+            codes, scale, offset = split
             lo, hi = codes.min(initial=0), codes.max(initial=0)
-            if lo < -32768 or hi > 32767:
-                return None
-            codes_out.append(codes.astype(np.int8 if -128 <= lo and hi <= 127 else np.int16))
+            codes_out.append(codes.astype(np.int8) if -128 <= lo and hi <= 127 else codes)
             scale_out.append(np.repeat(scale, block_size // 16, axis=1))
-            offset_out.append(offset[:, ::16])
+            offset_out.append(offset)
+        first_row += n_out
     scale16 = np.concatenate(scale_out)
     offset16 = np.concatenate(offset_out)
     group = 32 if (_constant_in_groups(scale16, 2) and _constant_in_groups(offset16, 2)) else 16
@@ -181,8 +225,28 @@ def matmul(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
         group_sums = x.reshape(m, -1, w.group).sum(axis=2, dtype=np.float32)
     else:
         group_sums = np.zeros((m, 0), np.float32)
-    _kernel(x, w.codes, w.scale, w.offset, group_sums, out)
+    with dynamic_schedule(max(1, w.codes.shape[0] // 32)):
+        _kernel(x, w.codes, w.scale, w.offset, group_sums, out)
     return out[:, :w.out_features] if out.shape[1] != w.out_features else out
+
+
+class dynamic_schedule:
+    """Hand out a parallel loop's iterations in chunks of `chunk` as threads ask for them.
+
+    numba splits a prange statically by default, so a pass waits for its slowest
+    thread; on a machine whose cores the router and scheduler share, a thread
+    that loses its core for a moment would stall every product. The setting is
+    per calling thread, so it is set around each launch."""
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+
+    def __enter__(self) -> None:
+        self.previous = get_parallel_chunksize()
+        set_parallel_chunksize(self.chunk)
+
+    def __exit__(self, *exc) -> None:
+        set_parallel_chunksize(self.previous)
 
 
 def _qmatmul(x, codes, scale, offset, group_sums, out):  # pragma: no cover - compiled by numba
@@ -218,3 +282,14 @@ def _qmatmul(x, codes, scale, offset, group_sums, out):  # pragma: no cover - co
 
 
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_qmatmul) if available() else None
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel for both code widths, so no request waits for it."""
+    if not available():
+        return
+    x = np.ones((1, 32), np.float32)
+    for dtype in (np.int8, np.int16):
+        m = QuantizedMatrix(np.ones((1, 32, TILE), dtype), np.ones((1, 1, TILE), np.float32),
+                            np.ones((1, 1, TILE), np.float32), TILE, 32, 32)
+        matmul(x, m)
