@@ -59,6 +59,8 @@ class Backend(Protocol):
         """Rotate x [n, heads, head_dim] in place of the first n_dims dims, normal (adjacent pairs) or NeoX (halves)."""
     def alloc_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> tuple[Array, Array]: ...
     def store_kv(self, k_cache: Array, v_cache: Array, k: Array, v: Array, slot_mapping: np.ndarray) -> None: ...
+    def copy_blocks(self, k_cache: Array, v_cache: Array, src: np.ndarray, dst: np.ndarray) -> None:
+        """Blocks dst[i] of both caches take the contents of blocks src[i]."""
     def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, meta: AttentionMetadata,
                         scale: float, window: int = 0) -> Array:
         """q [n, heads, d] -> [n, heads, d]; keys k with p - window < k <= p when window > 0."""

@@ -27,6 +27,8 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None       # set once the block is full, computed and registered
+    parent: bytes | None = None     # with hash: the previous block's hash (None for a first block)
+    token_ids: tuple[int, ...] = ()  # with hash: the tokens it holds
 
 
 class BlockManager:
@@ -36,6 +38,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front: evict first
         self._by_hash: dict[bytes, int] = {}
+        self._children: dict[bytes | None, set[int]] = {}   # parent hash -> cached blocks that follow it
         self.queried_tokens = 0          # prompt tokens looked up in the prefix cache, since start
         self.hit_tokens = 0              # of those, tokens found cached
 
@@ -77,6 +80,25 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def partial_lookup(self, parent: bytes | None, tokens: list[int]) -> tuple[int, int] | None:
+        """(block id, n) of the cached block following the prefix `parent` whose first n tokens
+        equal tokens[:n], for the largest n >= 1 (no reference taken), or None.
+
+        A prompt that diverges from a cached prefix inside a block can start from a copy
+        of that block's first n tokens instead of recomputing them (token-granular reuse,
+        as llama.cpp's server and SGLang's radix cache do)."""
+        best, best_n = None, 0
+        for b in self._children.get(parent, ()):
+            cached = self.blocks[b].token_ids
+            n = 0
+            for a, c in zip(cached, tokens):
+                if a != c:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = b, n
+        return (best, best_n) if best is not None else None
+
     def count_unheld(self, block_ids: list[int]) -> int:
         """How many of these blocks sit in the free list (taking them uses up free blocks)."""
         return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
@@ -103,9 +125,7 @@ class BlockManager:
             b, _ = self._free.popitem(last=False)
             block = self.blocks[b]
             if block.hash is not None:                    # evict its cached prefix
-                if self._by_hash.get(block.hash) == b:
-                    del self._by_hash[block.hash]
-                block.hash = None
+                self._forget(block)
             block.ref_count = 1
             table.append(b)
 
@@ -116,13 +136,30 @@ class BlockManager:
         self.acquire(child, table[:n_tokens // self.block_size])
         return child
 
-    def commit(self, table: list[int], chain: list[bytes], start: int, end: int) -> None:
-        """Register blocks table[start:end], now full and computed, under chain[start:end]."""
+    def commit(self, table: list[int], chain: list[bytes], start: int, end: int,
+               tokens: list[int] | None = None) -> None:
+        """Register blocks table[start:end], now full and computed, under chain[start:end]
+        (`tokens`, the sequence's tokens, lets later prompts match inside these blocks too)."""
+        bs = self.block_size
         for i in range(start, end):
             block = self.blocks[table[i]]
             if block.hash is None and chain[i] not in self._by_hash:
                 block.hash = chain[i]
                 self._by_hash[chain[i]] = block.block_id
+                if tokens is not None:
+                    block.parent = chain[i - 1] if i else None
+                    block.token_ids = tuple(tokens[i * bs:(i + 1) * bs])
+                    self._children.setdefault(block.parent, set()).add(block.block_id)
+
+    def _forget(self, block: Block) -> None:
+        if self._by_hash.get(block.hash) == block.block_id:
+            del self._by_hash[block.hash]
+        siblings = self._children.get(block.parent)
+        if siblings is not None:
+            siblings.discard(block.block_id)
+            if not siblings:
+                del self._children[block.parent]
+        block.hash, block.parent, block.token_ids = None, None, ()
 
     def free(self, table: list[int]) -> int:
         """Drop `table`'s references; returns how many blocks became free. The tail is released
@@ -144,5 +181,6 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after the worker lost its KV)."""
         for block in self.blocks:
-            block.hash = None
+            block.hash, block.parent, block.token_ids = None, None, ()
         self._by_hash.clear()
+        self._children.clear()

@@ -5,7 +5,8 @@ newly admitted prompts (preempted ones first, then waiting ones, strictly in
 arrival order) under a token budget (--max-num-batched-tokens) and a sequence
 limit (--max-num-seqs); sends one StepRequest to the worker and folds the
 sampled tokens back in. A prompt whose leading full blocks are in the prefix
-cache starts after them. When a running sequence needs a block and none is
+cache starts after them, and after the first tokens it shares with a cached
+block that follows them (in a copy of that block). When a running sequence needs a block and none is
 free, the most recently arrived running sequence is preempted: its blocks are
 released (they stay in the prefix cache) and it is recomputed later.
 """
@@ -52,6 +53,8 @@ class Engine:
         self.preempted: list[Sequence] = []            # resumed before any waiting one, oldest first
         self.running: list[Sequence] = []
         self._finished_ids: list[int] = []
+        self._copies: list[tuple[int, int]] = []       # KV block copies for the next launched step
+        self._copy_sources: list[int] = []             # their source blocks, held until then
         self.num_preemptions = 0                       # since start: sequences sent back to recompute
 
     def add(self, seq: Sequence) -> None:
@@ -123,14 +126,15 @@ class Engine:
             if not queue:
                 break
             seq = queue[0]
-            hits = self._cached_prefix(seq)
-            start = len(hits) * bs
+            hits, partial = self._cached_prefix(seq)
+            held = hits + [partial[0]] if partial else hits
+            start = len(hits) * bs + (partial[1] if partial else 0)
             n = min(seq.num_tokens - start, budget)
-            cost = self.blocks.blocks_needed(start + n) - len(hits) + self.blocks.count_unheld(hits)
+            cost = self.blocks.blocks_needed(start + n) - len(hits) + self.blocks.count_unheld(held)
             if cost > free:
                 break                                  # no skipping ahead: nobody starves
             queue.remove(seq) if queue is self.preempted else queue.popleft()
-            self._admit(seq, hits)
+            self._admit(seq, hits, partial)
             plan.append((seq, n))
             planned.add(seq.seq_id)
             free -= cost
@@ -139,19 +143,35 @@ class Engine:
             self.blocks.grow(seq.block_table, seq.num_computed + n)
         return plan
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks a new sequence can start from: full blocks only, leaving at least one
-        token to compute (its logits are needed); none when every prompt position must be scored."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], tuple[int, int] | None]:
+        """Cached blocks a new sequence can start from, leaving at least one token to compute (its
+        logits are needed): its leading full blocks, and (block id, n) of a cached block after them
+        whose first n tokens it shares. Nothing when every prompt position must be scored. The
+        partial match is only sought after a full one: the first blocks of unrelated prompts share
+        little more than a chat template's opening tokens."""
         if not self.enable_prefix_caching or seq.score_top_k:
-            return []
-        n_blocks = (seq.num_tokens - 1) // self.blocks.block_size
+            return [], None
+        bs = self.blocks.block_size
+        n_blocks = (seq.num_tokens - 1) // bs
         self.blocks.extend_hashes(seq.block_hashes, seq.tokens, n_blocks)
-        return self.blocks.lookup(seq.block_hashes[:n_blocks])
+        hits = self.blocks.lookup(seq.block_hashes[:n_blocks])
+        partial = None
+        start = len(hits) * bs
+        limit = min(bs - 1, seq.num_tokens - 1 - start)
+        if hits and limit > 0:
+            partial = self.blocks.partial_lookup(seq.block_hashes[len(hits) - 1], seq.tokens[start:start + limit])
+        return hits, partial
 
-    def _admit(self, seq: Sequence, hits: list[int]) -> None:
+    def _admit(self, seq: Sequence, hits: list[int], partial: tuple[int, int] | None = None) -> None:
         self.blocks.acquire(seq.block_table, hits)
         seq.num_committed_blocks = len(hits)            # cached blocks are registered already
         seq.num_computed = len(hits) * self.blocks.block_size
+        if partial is not None:                        # continue in a copy of a cached block's first tokens
+            src, n = partial
+            self.blocks.acquire(self._copy_sources, [src])   # held until the copy is launched
+            self.blocks.grow(seq.block_table, seq.num_computed + 1)
+            self._copies.append((src, seq.block_table[-1]))
+            seq.num_computed += n
         seq.send_prefix = seq.num_computed > 0
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = seq.num_computed
@@ -199,8 +219,9 @@ class Engine:
 
     def _launch(self, plan: list[tuple[Sequence, int]]) -> _Launched:
         chunks = [self._chunk(seq, n) for seq, n in plan]
-        request = StepRequest(chunks, finished=self._finished_ids)
-        self._finished_ids = []
+        request = StepRequest(chunks, finished=self._finished_ids, copy_blocks=self._copies)
+        self._finished_ids, self._copies = [], []
+        self.blocks.free(self._copy_sources)          # the worker copies them before any later step runs
         for seq, n in plan:
             seq.num_computed += n                      # in flight: the worker is computing them
         if self.submit is not None:
@@ -284,7 +305,7 @@ class Engine:
         full = computed // self.blocks.block_size
         if full > seq.num_committed_blocks and self.enable_prefix_caching:
             self.blocks.extend_hashes(seq.block_hashes, seq.tokens, full)
-            self.blocks.commit(seq.block_table, seq.block_hashes, seq.num_committed_blocks, full)
+            self.blocks.commit(seq.block_table, seq.block_hashes, seq.num_committed_blocks, full, seq.tokens)
             seq.num_committed_blocks = full
 
     def _finish(self, seq: Sequence) -> None:

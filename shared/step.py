@@ -34,6 +34,9 @@ class SeqChunk:
 class StepRequest:
     chunks: list[SeqChunk]
     finished: list[int] = field(default_factory=list)   # seq ids whose worker-side state may be dropped
+    # (src, dst) KV blocks to copy, every layer, before the forward: a prompt sharing the first
+    # tokens of a cached block continues in a copy of it
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -80,6 +80,8 @@ def step_request_to_proto(request: StepRequest, codec: TensorCodec | None = None
         if c.score_targets is not None:
             codec.encode_into(np.asarray(c.score_targets, np.int64), m.score_targets)
     msg.finished[:] = [int(s) for s in request.finished]
+    for src, dst in request.copy_blocks:
+        msg.copy_blocks.add(src=int(src), dst=int(dst))
     return msg
 
 
@@ -100,7 +102,8 @@ def step_request_from_proto(msg: worker_pb2.StepRequest, codec: TensorCodec | No
         )
         for m in msg.chunks
     ]
-    return StepRequest(chunks, finished=list(msg.finished))
+    return StepRequest(chunks, finished=list(msg.finished),
+                       copy_blocks=[(c.src, c.dst) for c in msg.copy_blocks])
 
 
 # ----------------------------------------------------------------- step result

@@ -138,7 +138,7 @@ def _fill(bm: BlockManager, tokens: list[int]) -> tuple[list[int], list[bytes]]:
     bm.grow(table, len(tokens))
     full = len(tokens) // BS
     bm.extend_hashes(chain, tokens, full)
-    bm.commit(table, chain, 0, full)
+    bm.commit(table, chain, 0, full, tokens)
     return table, chain
 
 
@@ -193,3 +193,22 @@ def test_out_of_blocks_changes_nothing():
     with pytest.raises(OutOfBlocks, match="need 3 KV blocks, 2 free"):
         bm.grow(table, 12)
     assert table == [] and bm.num_free == 2
+
+
+def test_partial_lookup_finds_the_cached_block_sharing_the_most_leading_tokens():
+    bm = BlockManager(12, BS)                             # BS = 4
+    a, chain_a = _fill(bm, [7, 7, 7, 7, 1, 2, 3, 4])
+    b, chain_b = _fill(bm, [7, 7, 7, 7, 1, 2, 9, 9])
+    parent = chain_a[0]
+    assert chain_b[0] == parent and bm.lookup(chain_b[:1]) == [a[0]]   # the first block is shared
+    assert bm.partial_lookup(parent, [1, 2, 3]) == (a[1], 3)
+    assert bm.partial_lookup(parent, [1, 2, 9]) == (b[1], 3)
+    assert bm.partial_lookup(parent, [1, 5])[1] == 1
+    assert bm.partial_lookup(parent, [8]) is None           # no cached block after it starts with 8
+    assert bm.partial_lookup(chain_a[1], [5]) is None       # nothing cached after the second block
+    # evicted blocks stop being candidates
+    bm.free(a)
+    bm.free(b)
+    taken: list[int] = []
+    bm.grow(taken, 4 * 12)
+    assert bm.partial_lookup(parent, [1, 2, 3]) is None and not bm._children

@@ -40,6 +40,8 @@ class TokenKVWorker:
         out = []
         for seq_id in request.finished:
             self.last_sampled.pop(seq_id, None)
+        for src, dst in request.copy_blocks:
+            self.pool[dst] = self.pool[src]
         for c in request.chunks:
             if len(c.token_ids) == 1 and c.token_ids[0] == -1:
                 c.token_ids = np.array([self.last_sampled[c.seq_id]])
@@ -134,8 +136,39 @@ def test_identical_prompts_compute_their_shared_blocks_once():
     engine.add(second)
     while engine.has_work():
         engine.step()
-    assert second.num_cached_tokens == 16 and second.output == first.output
-    assert worker.tokens_computed - computed == (19 - 16) + 1    # the tail, then one decode
+    # 4 full blocks, and 2 tokens of the block the first sequence filled with its first output
+    assert second.num_cached_tokens == 18 and second.output == first.output
+    assert worker.tokens_computed - computed == (19 - 18) + 1    # the last prompt token, then one decode
+
+
+def test_a_prompt_diverging_inside_a_block_continues_in_a_copy_of_it():
+    worker = TokenKVWorker(32)
+    steps = []
+    engine = Engine(lambda req: steps.append(req) or worker(req), 32, BLOCK, 128)
+    first = Sequence(list(range(1, 15)), SamplingParams(max_tokens=3, temperature=0.0))   # 3 blocks + 2
+    engine.add(first)
+    while engine.has_work():
+        engine.step()
+    block3 = worker.pool[first_table_block(steps, first.seq_id, 3)].copy()
+    assert list(block3) == [13, 14] + first.output[:2]
+    prompt = list(range(1, 14)) + [99, 98]          # shares 3 full blocks and token 13 of the 4th
+    second = Sequence(list(prompt), SamplingParams(max_tokens=4, temperature=0.0))
+    before = worker.tokens_computed
+    engine.add(second)
+    while engine.has_work():
+        engine.step()
+    copies = [c for req in steps for c in req.copy_blocks]
+    assert len(copies) == 1 and copies[0][0] == first_table_block(steps, first.seq_id, 3)
+    assert second.num_cached_tokens == 13
+    assert worker.tokens_computed - before == (15 - 13) + 3
+    assert second.output == run_alone(prompt, 4, 128)
+    assert list(worker.pool[copies[0][0]]) == list(block3)     # the cached block itself is untouched
+    assert engine.blocks.num_free == 32
+
+
+def first_table_block(steps, seq_id: int, index: int) -> int:
+    return next(int(c.block_table[index]) for req in steps for c in req.chunks
+                if c.seq_id == seq_id and len(c.block_table) > index)
 
 
 def test_pipelined_decode_launches_ahead_and_changes_nothing():

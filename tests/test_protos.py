@@ -93,6 +93,7 @@ def _assert_requests_equal(a: StepRequest, b: StepRequest):
         for name in ("seq_id", "start_pos", "prompt_len", "sample", "params", "score_top_k"):
             assert getattr(x, name) == getattr(y, name), name
     assert a.finished == b.finished
+    assert a.copy_blocks == b.copy_blocks
 
 
 def _assert_results_equal(a: StepResult, b: StepResult):
@@ -118,6 +119,7 @@ def _request(prefill_len: int = 37) -> StepRequest:
                      score_top_k=5),
         ],
         finished=[1, 11, 2**33],
+        copy_blocks=[(7, 2), (0, 5)],
     )
 
 

@@ -190,8 +190,10 @@ def test_bad_steps_are_invalid_argument_and_worker_stays_up(worker):
     bad_block = StepRequest([chunk(106, [1, 2, 3], 0, [10**6], 3)])
     bad_token = StepRequest([chunk(107, [1, 2, 10**7], 0, [0], 3)])
     bad_params = StepRequest([chunk(108, [1, 2, 3], 0, [0], 3, params=SamplingParams(temperature=-1))])
+    bad_copy = StepRequest([chunk(110, [1, 2, 3], 0, [0], 3)], copy_blocks=[(10**6, 0)])
     for req, words in ((too_short, "block table"), (no_params, "sampling parameters"),
-                       (bad_block, "block ids"), (bad_token, "token ids"), (bad_params, "temperature")):
+                       (bad_block, "block ids"), (bad_token, "token ids"), (bad_params, "temperature"),
+                       (bad_copy, "block copy")):
         with pytest.raises(grpc.RpcError) as info:
             stub.Step(step_request_to_proto(req), timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
@@ -203,9 +205,24 @@ def test_bad_steps_are_invalid_argument_and_worker_stays_up(worker):
     with pytest.raises(grpc.RpcError) as info:
         stub.Step(ref, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gone" in info.value.details()
-    stub.Step(worker_pb2.StepRequest(finished=[104, 105, 106, 107, 108, 109]), timeout=10)
+    stub.Step(worker_pb2.StepRequest(finished=[104, 105, 106, 107, 108, 109, 110]), timeout=10)
     assert stub.Health(common_pb2.HealthRequest(), timeout=10).status == common_pb2.SERVING_STATUS_SERVING
     assert worker[0].poll() is None
+
+
+def test_a_copied_block_continues_a_prompt_as_the_original_would(worker):
+    """copy_blocks: a sequence whose first block is a copy of another's computes the rest of the
+    same prompt and samples what the original sampled."""
+    _, _, stub = worker
+    prompt = list(range(300, 320))                                  # one full block of 16 + 4
+    a = step_result_from_proto(stub.Step(step_request_to_proto(
+        StepRequest([chunk(111, prompt, 0, [2, 3], len(prompt))])), timeout=30)).results[0]
+    b_chunk = chunk(112, prompt[16:], 16, [6, 7], len(prompt))
+    b_chunk.prefix_ids = np.asarray(prompt[:16], np.int64)
+    b = step_result_from_proto(stub.Step(step_request_to_proto(
+        StepRequest([b_chunk], copy_blocks=[(2, 6)])), timeout=30)).results[0]
+    assert b.token_id == a.token_id and abs(b.logprob - a.logprob) < 1e-4
+    stub.Step(worker_pb2.StepRequest(finished=[111, 112]), timeout=10)
 
 
 def test_export_import_blocks_unimplemented(worker):

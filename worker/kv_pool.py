@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 from kernels import Backend
 from shared.model_config import ModelConfig
 
@@ -55,5 +57,15 @@ def plan_capacity(config: ModelConfig, memory_bytes: int, block_size: int = 16,
 class KVPool:
     def __init__(self, config: ModelConfig, capacity: KVCapacity, ops: Backend):
         self.capacity = capacity
+        self.ops = ops
         self.caches = [ops.alloc_kv(capacity.num_blocks, capacity.block_size, config.n_kv_heads, config.head_dim)
                        for _ in range(config.n_layers)]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks src -> dst in every layer (all sources are read before any is written)."""
+        if not pairs:
+            return
+        src = np.array([p[0] for p in pairs], np.int64)
+        dst = np.array([p[1] for p in pairs], np.int64)
+        for k_cache, v_cache in self.caches:
+            self.ops.copy_blocks(k_cache, v_cache, src, dst)

@@ -62,6 +62,7 @@ class ModelRunner:
     def execute(self, request: StepRequest) -> StepResult:
         for seq_id in request.finished:
             self._seqs.pop(seq_id, None)
+        self.kv.copy_blocks(request.copy_blocks)
         chunks = request.chunks
         if not chunks:
             return StepResult([], 0)

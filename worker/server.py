@@ -106,6 +106,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _validate(self, step: StepRequest) -> None:
         cap, vocab = self.runner.capacity, self.runner.config.vocab_size
+        for src, dst in step.copy_blocks:
+            if not (0 <= src < cap.num_blocks and 0 <= dst < cap.num_blocks) or src == dst:
+                raise BadStep(f"block copy {src} -> {dst}: block ids must be distinct and lie in "
+                              f"[0, {cap.num_blocks})")
         seen = set()
         for c in step.chunks:
             where = f"sequence {c.seq_id}"

@@ -157,6 +157,10 @@ class CPUBackend:
         k_cache.reshape(n_kv, n_blocks * block_size, dim)[:, slot_mapping] = k.transpose(1, 0, 2)
         v_cache.reshape(n_kv, n_blocks * block_size, dim)[:, slot_mapping] = v.transpose(1, 0, 2)
 
+    def copy_blocks(self, k_cache: np.ndarray, v_cache: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        k_cache[:, dst] = k_cache[:, src]
+        v_cache[:, dst] = v_cache[:, src]
+
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         meta: AttentionMetadata, scale: float, window: int = 0) -> np.ndarray:
         return attention.paged_attention(q, k_cache, v_cache, meta, scale, window)
