@@ -19,13 +19,15 @@ QUERY_TILE = 128
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                    meta: AttentionMetadata, scale: float, window: int = 0) -> np.ndarray:
+                    meta: AttentionMetadata, scale: float, window: int = 0, compiled: bool = True) -> np.ndarray:
+    """`compiled`: decode rows may use the numba kernel (only in passes whose products run on
+    numba's threads too, see kernels/cpu/quantized.py)."""
     out = np.empty_like(q)
     starts = np.concatenate(([0], np.cumsum(meta.query_lens)[:-1]))
     single = (meta.query_lens == 1) & meta.causal
     if single.any():
         seqs = np.flatnonzero(single)
-        compiled = decode_attention.available() and q.shape[0] <= quantized.COMPILED_MAX_ROWS
+        compiled = compiled and decode_attention.available() and q.shape[0] <= quantized.COMPILED_MAX_ROWS
         decode = decode_attention.decode_attention if compiled else _decode
         out[starts[seqs]] = decode(q[starts[seqs]], k_cache, v_cache, meta.block_tables[seqs],
                                     meta.context_lens[seqs], scale, window)

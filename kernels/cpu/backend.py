@@ -1,6 +1,7 @@
 """numpy implementation of the kernels interface (float32 throughout)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,9 @@ class Linear:
 class CPUBackend:
     name = "cpu"
 
-    def __init__(self, quantized_matmul: bool = True) -> None:
+    def __init__(self, quantized_matmul: bool | None = None) -> None:
+        if quantized_matmul is None:     # TS_QUANTIZED_MATMUL=0: every product in float32 (OpenBLAS)
+            quantized_matmul = os.environ.get("TS_QUANTIZED_MATMUL", "1").strip().lower() not in ("0", "false", "no")
         self.quantized_matmul = quantized_matmul and quantized.available()
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -163,4 +166,4 @@ class CPUBackend:
 
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         meta: AttentionMetadata, scale: float, window: int = 0) -> np.ndarray:
-        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window)
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, compiled=self.quantized_matmul)
