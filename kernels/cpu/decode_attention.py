@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu.quantized import dynamic_schedule
-
 try:
     from numba import njit, prange
 except ImportError:  # pragma: no cover - exercised only where numba is missing
@@ -26,10 +24,9 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, ta
                      ctx: np.ndarray, scale: float, window: int) -> np.ndarray:
     """q [B, heads, d] -> [B, heads, d]; sequence b's query sits at position ctx[b] - 1."""
     out = np.empty(q.shape, np.float32)
-    with dynamic_schedule(1):
-        _kernel(np.ascontiguousarray(q, dtype=np.float32), k_cache, v_cache,
-                np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(ctx, dtype=np.int64),
-                np.float32(scale), int(window), out)
+    _kernel(np.ascontiguousarray(q, dtype=np.float32), k_cache, v_cache,
+            np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(ctx, dtype=np.int64),
+            np.float32(scale), int(window), out)
     return out
 
 

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as T
 from shared.dequant import dequantize
 
 try:  # numba is a dependency; without it every product goes through OpenBLAS
-    from numba import get_parallel_chunksize, njit, prange, set_parallel_chunksize
+    from numba import njit, prange
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = prange = None
 
@@ -225,28 +225,8 @@ def matmul(x: np.ndarray, w: QuantizedMatrix) -> np.ndarray:
         group_sums = x.reshape(m, -1, w.group).sum(axis=2, dtype=np.float32)
     else:
         group_sums = np.zeros((m, 0), np.float32)
-    with dynamic_schedule(max(1, w.codes.shape[0] // 32)):
-        _kernel(x, w.codes, w.scale, w.offset, group_sums, out)
+    _kernel(x, w.codes, w.scale, w.offset, group_sums, out)
     return out[:, :w.out_features] if out.shape[1] != w.out_features else out
-
-
-class dynamic_schedule:
-    """Hand out a parallel loop's iterations in chunks of `chunk` as threads ask for them.
-
-    numba splits a prange statically by default, so a pass waits for its slowest
-    thread; on a machine whose cores the router and scheduler share, a thread
-    that loses its core for a moment would stall every product. The setting is
-    per calling thread, so it is set around each launch."""
-
-    def __init__(self, chunk: int):
-        self.chunk = chunk
-
-    def __enter__(self) -> None:
-        self.previous = get_parallel_chunksize()
-        set_parallel_chunksize(self.chunk)
-
-    def __exit__(self, *exc) -> None:
-        set_parallel_chunksize(self.previous)
 
 
 def _qmatmul(x, codes, scale, offset, group_sums, out):  # pragma: no cover - compiled by numba
