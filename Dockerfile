@@ -6,7 +6,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    TS_MODEL_CACHE=/models
+    TS_MODEL_CACHE=/models \
+    NUMBA_CACHE_DIR=/opt/numba-cache
+
+# libgomp: the OpenMP runtime numba's compiled CPU kernels run their threads on
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/tensorserve
 COPY pyproject.toml README.md ./
@@ -29,9 +33,11 @@ RUN pip install ".[models]" \
 # Unprivileged user; /models is created here so a named volume mounted on it is
 # initialised with this owner.
 RUN useradd --create-home --uid 10001 tensorserve \
- && mkdir -p /models \
- && chown tensorserve:tensorserve /models
+ && mkdir -p /models /opt/numba-cache \
+ && chown tensorserve:tensorserve /models /opt/numba-cache
 USER tensorserve
+# compile the CPU kernels once here, so no worker start pays for it
+RUN python -c "from kernels.cpu import CPUBackend; CPUBackend().warm_up()"
 
 EXPOSE 8000 50051
 ENTRYPOINT ["tensorserve"]

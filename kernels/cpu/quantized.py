@@ -265,7 +265,7 @@ _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_qmatmul) i
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel for both code widths, so no request waits for it."""
+    """Compile (or load from numba's cache) the kernel for both code widths and the load-time split."""
     if not available():
         return
     x = np.ones((1, 32), np.float32)
@@ -273,3 +273,5 @@ def warm_up() -> None:
         m = QuantizedMatrix(np.ones((1, 32, TILE), dtype), np.ones((1, 1, TILE), np.float32),
                             np.ones((1, 1, TILE), np.float32), TILE, 32, 32)
         matmul(x, m)
+    raw = np.zeros(34, np.uint8)                    # one Q8_0 block: compiles the load-time split too
+    split_codes(raw, int(T.Q8_0), (1, 32))
