@@ -45,9 +45,10 @@ class WeightLoader:
 
     def linear(self, *parts: tuple[str, tuple[int, int]]) -> object:
         """One prepared matrix from one or more [out, in] tensors stacked along `out` (e.g. fused Q|K|V)."""
-        mats = [self.float32(name, shape) for name, shape in parts]
+        infos = [(name, self.info(name, shape)) for name, shape in parts]   # the clear errors come first
+        encoded = [(self.gguf.raw(name), t.ggml_type, tuple(t.shape)) for name, t in infos]
+        mats = [dequantize(raw, ggml_type, shape) for raw, ggml_type, shape in encoded]
         w = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
-        encoded = [(self.gguf.raw(name), self.info(name, shape).ggml_type, tuple(shape)) for name, shape in parts]
         return self.ops.prepare_weight(w, encoded)
 
 

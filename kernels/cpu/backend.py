@@ -1,4 +1,5 @@
-"""numpy implementation of the kernels interface (float32 throughout)."""
+"""CPU implementation of the kernels interface: numpy/OpenBLAS in float32, and numba-compiled
+products over the GGUF's integer codes plus decode attention for passes of a few rows."""
 from __future__ import annotations
 
 import os

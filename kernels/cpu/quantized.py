@@ -69,13 +69,11 @@ def available() -> bool:
     return njit is not None
 
 
-def _with_fields(blocks: np.ndarray, field: int, value: np.ndarray, other: int | None,
-                 other_value: np.ndarray | None) -> np.ndarray:
+def _scale_zeroed(blocks: np.ndarray, d_at: int) -> np.ndarray:
+    """A copy of the blocks whose fp16 scale "d" is 0: ggml's decoding then gives the offsets alone."""
     b = blocks.copy()
-    b[:, field:field + 2] = value
-    if other is not None and other_value is not None:
-        b[:, other:other + 2] = other_value
-    return b
+    b[:, d_at:d_at + 2] = _ZERO_F16
+    return b.reshape(-1)
 
 
 def split_codes(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], weight: np.ndarray | None = None
@@ -106,7 +104,7 @@ def split_codes(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], weight:
     elif block_size == 32:                                   # Q4_1, Q5_1: y = d * q + m
         offset = np.repeat(_f16(blocks, m_at).reshape(n_out, n_blocks), 2, axis=1)
     else:                                                    # k-quants: y = d * (sc * q) - dmin * m_sub
-        offset = dequantize(_with_fields(blocks, d_at, _ZERO_F16, None, None).reshape(-1), ggml_type,
+        offset = dequantize(_scale_zeroed(blocks, d_at), ggml_type,
                             shape)[:, ::16].copy()
     codes = np.empty(shape, np.int16)
     if not _encode(np.ascontiguousarray(weight, dtype=np.float32), scale, offset, block_size, codes):
