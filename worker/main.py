@@ -166,15 +166,17 @@ def run(args: argparse.Namespace) -> int:
         log.info("removed %d stale shared-memory segment(s) of dead processes", len(removed))
 
     from worker.model_runner import ModelRunner
-    from worker.server import WorkerServicer, start_server
+    from worker.server import WorkerServicer, new_model_thread, start_server
+    model_thread = new_model_thread()    # loads (compiling the kernels) and runs every step: one OpenMP team
     try:
         path = resolve_model(args.model)
         log.info("loading model %s from %s", args.model, path)
         _check_capacity(path, args)
         t0 = time.perf_counter()
-        runner = ModelRunner(path, backend=args.backend, kv_memory=args.kv_memory,
-                             block_size=args.block_size, max_context=args.max_context)
+        runner = model_thread.submit(ModelRunner, path, backend=args.backend, kv_memory=args.kv_memory,
+                                     block_size=args.block_size, max_context=args.max_context).result()
     except (TensorServeError, ValueError, OSError) as exc:
+        model_thread.shutdown(wait=False)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cap, cfg = runner.capacity, runner.config
@@ -186,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     if stop.is_set():
         return 0
 
-    servicer = WorkerServicer(runner, model_name(args.model), backend, args.tensor_transport)
+    servicer = WorkerServicer(runner, model_name(args.model), backend, args.tensor_transport, model_thread)
     try:
         server, port = start_server(servicer, args.host, args.port)
     except (OSError, RuntimeError) as exc:

@@ -45,6 +45,11 @@ class BadStep(ValueError):
     """A Step request the worker refuses: INVALID_ARGUMENT, the worker stays up."""
 
 
+def new_model_thread() -> futures.ThreadPoolExecutor:
+    """The one thread that loads the model and runs every forward."""
+    return futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+
 def peer_host(peer: str) -> str:
     """context.peer() ("ipv4:127.0.0.1:5432", "ipv6:[::1]:5432", "unix:/path") to an address
     shared.tensor_codec.is_local_address understands."""
@@ -54,7 +59,8 @@ def peer_host(peer: str) -> str:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, model_name: str, backend: str, transport: str = "auto"):
+    def __init__(self, runner: ModelRunner, model_name: str, backend: str, transport: str = "auto",
+                 model_thread: futures.ThreadPoolExecutor | None = None):
         if transport not in ("auto", "shm", "inline"):
             raise ValueError(f"tensor transport must be shm, inline or auto, got {transport!r}")
         self.runner = runner
@@ -72,9 +78,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.steps = 0
         self._last_step_end = 0.0
         # Every forward runs on this one thread, whichever RPC thread received the step: the
-        # compiled kernels' OpenMP runtime keeps a thread team per launching thread, and teams
-        # of several RPC threads would spin against each other for the same cores.
-        self._model_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        # compiled kernels' OpenMP runtime keeps a thread team per launching thread, and as soon
+        # as the teams' threads outnumber the cores, libgomp stops spinning between parallel
+        # regions and every region pays a futex wake-up (measured: a 16 ms decode step became
+        # 26 ms). The runner should have been built on this same thread (see new_model_thread).
+        self._model_thread = model_thread or new_model_thread()
 
     # ------------------------------------------------------------------ helpers
     def _response_codec(self, request: worker_pb2.StepRequest, context) -> TensorCodec:
