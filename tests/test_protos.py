@@ -50,7 +50,8 @@ def test_services_are_complete():
         "Submit": (False, True), "Abort": (False, False), "Stats": (False, False),
         "Health": (False, False), "RegisterWorker": (False, False)}
     assert _methods(worker_pb2, "Worker") == {
-        "Describe": (False, False), "Step": (False, False), "ExportBlocks": (False, False),
+        "Describe": (False, False), "Step": (False, False), "StepStream": (True, True),
+        "ExportBlocks": (False, False),
         "ImportBlocks": (False, False), "Health": (False, False)}
 
 

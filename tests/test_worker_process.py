@@ -151,6 +151,29 @@ def test_greedy_decode_matches_llama_cpp(worker, fixture_case):
     assert out == expected
 
 
+def test_step_stream_answers_pipelined_steps_in_order(worker, fixture_case):
+    """StepStream, as the scheduler drives it: the prefill and two decode steps whose token is the
+    placeholder -1 are all sent before the first answer is read; the answers come in order and
+    continue greedily as llama.cpp does. A refused step then ends the stream with INVALID_ARGUMENT."""
+    _, _, stub = worker
+    prompt, expected = fixture_case["prompt_tokens"], fixture_case["greedy_continuation"][:3]
+    seq, blocks, n = 113, [4, 5], len(fixture_case["prompt_tokens"])
+    steps = [StepRequest([chunk(seq, prompt, 0, blocks, n)])]
+    steps += [StepRequest([chunk(seq, [-1], n + i, blocks, n, params=None)]) for i in range(2)]
+    steps.append(StepRequest([], finished=[seq]))
+    answers = list(stub.StepStream(iter([step_request_to_proto(r, step_id=i + 1) for i, r in enumerate(steps)]),
+                                   timeout=60, metadata=INLINE_MD))
+    assert [a.step_id for a in answers] == [1, 2, 3, 4]
+    assert [step_result_from_proto(a).results[0].token_id for a in answers[:3]] == expected
+
+    bad = StepRequest([chunk(114, [1, 2, 10**7], 0, [0], 3)])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.StepStream(iter([step_request_to_proto(bad, step_id=1)]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token ids" in info.value.details()
+    stub.Step(worker_pb2.StepRequest(finished=[114]), timeout=10)
+    assert stub.Health(common_pb2.HealthRequest(), timeout=10).status == common_pb2.SERVING_STATUS_SERVING
+
+
 def test_shm_and_inline_transports_agree(worker, runner, fixture_case):
     """Request tensors as TensorRefs (forced even when small), response score arrays back through the
     worker's arena; the same step inline gives the same arrays."""

@@ -182,6 +182,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             finally:
                 self._lock.notify_all()
 
+    def StepStream(self, request_iterator, context):
+        """Steps over one stream: each request is run as `Step` runs it, answered in order. A
+        refused or failed step ends the stream with that status, as it ends a Step call."""
+        for request in request_iterator:
+            yield self.Step(request, context)
+
     def _step(self, request, context):
         if self._closed:
             context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")

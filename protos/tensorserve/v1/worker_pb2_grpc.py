@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=tensorserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=tensorserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/tensorserve.v1.Worker/StepStream',
+                request_serializer=tensorserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=tensorserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.ExportBlocks = channel.unary_unary(
                 '/tensorserve.v1.Worker/ExportBlocks',
                 request_serializer=tensorserve_dot_v1_dot_worker__pb2.ExportBlocksRequest.SerializeToString,
@@ -73,6 +78,14 @@ class WorkerServicer:
 
     def Step(self, request, context):
         """Runs one packed batch: the step contract of shared/step.py.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """The same steps over one long-lived stream: one answer per request, in order.
+        The scheduler keeps this stream open (a message costs less than a call).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +121,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=tensorserve_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=tensorserve_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=tensorserve_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=tensorserve_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
@@ -179,6 +197,33 @@ class Worker:
             request,
             target,
             '/tensorserve.v1.Worker/Step',
+            tensorserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            tensorserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tensorserve.v1.Worker/StepStream',
             tensorserve_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             tensorserve_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
