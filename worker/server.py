@@ -1,7 +1,8 @@
 """The worker's gRPC service (protos/tensorserve/v1/worker.proto) over one ModelRunner.
 
-Step calls are serialized: the runner, the shared-memory reader and the
-arenas are not thread-safe, and the engine loop sends one step at a time.
+Steps run one at a time on one model thread, in the order the scheduler numbered
+them; decoding requests and encoding answers (the shared-memory reader and the
+arenas are not thread-safe) happen under one lock.
 
 Tensor transport of a Step response, first match wins:
   1. call metadata ``ts-tensor-transport: shm|inline`` (what the scheduler wants back);
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import socket
 import threading
 import time
@@ -43,6 +45,10 @@ UNIMPLEMENTED_BLOCKS = ("KV block export/import arrives with prefix checkpoints;
 
 class BadStep(ValueError):
     """A Step request the worker refuses: INVALID_ARGUMENT, the worker stays up."""
+
+
+class WorkerClosing(RuntimeError):
+    """A step that arrived after close(): UNAVAILABLE."""
 
 
 def new_model_thread() -> futures.ThreadPoolExecutor:
@@ -183,37 +189,81 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self._lock.notify_all()
 
     def StepStream(self, request_iterator, context):
-        """Steps over one stream: each request is run as `Step` runs it, answered in order. A
-        refused or failed step ends the stream with that status, as it ends a Step call."""
-        for request in request_iterator:
-            yield self.Step(request, context)
+        """Steps over one stream, answered in order. Each step is decoded, validated and queued
+        on the model thread as soon as it arrives (on a reader thread), so a step pipelined
+        behind the running one starts the moment that one ends. A refused or failed step ends
+        the stream with the status a Step call would get."""
+        queued: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._read_steps, args=(request_iterator, queued), name="step-reader",
+                         daemon=True).start()
+        while (item := queued.get()) is not None:
+            request, running, error = item
+            if error is None:
+                try:
+                    result = running.result()
+                except Exception as exc:            # noqa: BLE001 - mapped to a status below
+                    error = exc
+            if error is not None:
+                self._abort_for(error, request, context)
+            yield self._answer(request, result, context, queued_at=running.queued_at)
+
+    def _read_steps(self, requests, queued: queue.SimpleQueue) -> None:
+        try:
+            for request in requests:
+                try:
+                    if self._closed:
+                        raise WorkerClosing()
+                    t0 = time.perf_counter()
+                    with self._lock:
+                        step = self._decode(request)
+                except Exception as exc:            # noqa: BLE001 - answered in order, then the stream ends
+                    queued.put((request, None, exc))
+                    return
+                running = self._model_thread.submit(self.runner.execute, step)
+                running.queued_at = t0
+                queued.put((request, running, None))
+        except grpc.RpcError:                       # the scheduler closed or cancelled the stream
+            pass
+        finally:
+            queued.put(None)
 
     def _step(self, request, context):
         if self._closed:
             context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
         if not context.is_active():      # the scheduler gave up on it (e.g. it found us hung): its
             context.abort(grpc.StatusCode.CANCELLED, "step cancelled by the scheduler")   # blocks are reused
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            step = step_request_from_proto(request, self._decoder)
-            self._validate(step)
-            t1 = time.perf_counter()
-            result = self._model_thread.submit(self.runner.execute, step).result()
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("step %d: %d chunks, %d tokens, decode+validate %.1f ms, execute %.1f ms, "
-                          "%.1f ms since the previous step returned",
-                          request.step_id, len(step.chunks), result.tokens_computed, (t1 - t0) * 1e3,
-                          (time.perf_counter() - t1) * 1e3, (t0 - self._last_step_end) * 1e3)
-        except (BadStep, ValueError, TypeError, FileNotFoundError, IndexError) as exc:
-            log.warning("step %d refused: %s", request.step_id, exc)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:                      # a bug, not the caller's input: say so, stay up
-            log.exception("step %d failed", request.step_id)
-            context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
+            result = self._model_thread.submit(self.runner.execute, self._decode(request)).result()
+        except Exception as exc:                    # noqa: BLE001 - mapped to a status
+            self._abort_for(exc, request, context)
+        return self._answer(request, result, context, queued_at=t0)
+
+    def _decode(self, request) -> StepRequest:
+        step = step_request_from_proto(request, self._decoder)
+        self._validate(step)
+        return step
+
+    def _answer(self, request, result, context, queued_at: float) -> worker_pb2.StepResponse:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %d tokens, %.1f ms from arrival to result, arrived %.1f ms after the "
+                      "previous answer (negative: queued behind the running step)", request.step_id, result.tokens_computed,
+                      (time.perf_counter() - queued_at) * 1e3, (queued_at - self._last_step_end) * 1e3)
         self.steps += 1
-        response = step_result_to_proto(result, self._response_codec(request, context), step_id=request.step_id)
+        with self._lock:
+            response = step_result_to_proto(result, self._response_codec(request, context), step_id=request.step_id)
         self._last_step_end = time.perf_counter()
         return response
+
+    @staticmethod
+    def _abort_for(exc: Exception, request, context) -> None:
+        if isinstance(exc, WorkerClosing):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
+        if isinstance(exc, (BadStep, ValueError, TypeError, FileNotFoundError, IndexError)):
+            log.warning("step %d refused: %s", request.step_id, exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.error("step %d failed", request.step_id, exc_info=exc)      # a bug, not the caller's input
+        context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
 
     def ExportBlocks(self, request, context):
         context.abort(grpc.StatusCode.UNIMPLEMENTED, UNIMPLEMENTED_BLOCKS.format("ExportBlocks"))
