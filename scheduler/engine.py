@@ -40,13 +40,17 @@ class _Launched:
 class Engine:
     def __init__(self, executor: Executor, num_blocks: int, block_size: int, max_context: int,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
-                 fingerprint: str = "", enable_prefix_caching: bool = True, submit: Submit | None = None):
+                 fingerprint: str = "", enable_prefix_caching: bool = True, submit: Submit | None = None,
+                 max_prefill_tokens_while_decoding: int | None = None):
         self.executor = executor
         self.submit = submit
         self._in_flight: _Launched | None = None
         self.blocks = BlockManager(num_blocks, block_size, fingerprint)
         self.max_context = max_context
         self.max_num_batched_tokens = max_num_batched_tokens
+        # a step that carries decodes takes at most this many prompt tokens: the decodes'
+        # inter-token latency is that step's time (vLLM: long_prefill_token_threshold)
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
@@ -106,6 +110,8 @@ class Engine:
                 planned.add(seq.seq_id)
                 free -= k
                 budget -= 1
+        if plan:
+            budget = min(budget, self.max_prefill_tokens_while_decoding)
         for seq in list(self.running):                 # then unfinished prefills, in chunks
             if seq not in self.running or seq.seq_id in planned:
                 continue

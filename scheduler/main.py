@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=int(_env("TS_MAX_NUM_BATCHED_TOKENS", 256)),
                         help="tokens computed per step at most (prefill chunk budget) "
                              "[env TS_MAX_NUM_BATCHED_TOKENS, default 256: on a CPU worker one 256-token chunk is a ~0.4 s step, which bounds the decodes' inter-token latency]")
+    parser.add_argument("--max-prefill-tokens-while-decoding", type=int,
+                        default=int(_env("TS_MAX_PREFILL_TOKENS_WHILE_DECODING", 128)),
+                        help="prompt tokens a step that also decodes takes at most; a step's time is the "
+                             "decodes' inter-token latency, so this bounds it while prompts arrive "
+                             "[env TS_MAX_PREFILL_TOKENS_WHILE_DECODING, default 128]")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=_env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
                         help="reuse the KV of full blocks shared with earlier prompts "
@@ -63,6 +68,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--max-num-seqs must be >= 1, got {args.max_num_seqs}"
     if args.max_num_batched_tokens < 1:
         return f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}"
+    if args.max_prefill_tokens_while_decoding < 1:
+        return f"--max-prefill-tokens-while-decoding must be >= 1, got {args.max_prefill_tokens_while_decoding}"
     if args.grace_period < 0:
         return f"--grace-period must be >= 0, got {args.grace_period}"
     if args.worker and ":" not in args.worker:
@@ -91,6 +98,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     core = SchedulerCore(args.worker, args.tensor_transport, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
                          enable_prefix_caching=args.enable_prefix_caching)
     server, port = build_server(core, args.host, args.port)
     await server.start()

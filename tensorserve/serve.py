@@ -43,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", default=env("TS_MAX_NUM_BATCHED_TOKENS", "256"),
                    help="tokens computed per engine step at most (prefill chunk budget) "
                         "[env TS_MAX_NUM_BATCHED_TOKENS, default 256]")
+    p.add_argument("--max-prefill-tokens-while-decoding",
+                   default=env("TS_MAX_PREFILL_TOKENS_WHILE_DECODING", "128"),
+                   help="prompt tokens a step that also decodes takes at most: bounds the running "
+                        "requests' inter-token latency while new prompts arrive "
+                        "[env TS_MAX_PREFILL_TOKENS_WHILE_DECODING, default 128]")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
                    help="reuse the KV of full blocks shared with earlier prompts [env TS_ENABLE_PREFIX_CACHING, "
@@ -106,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
             scheduler = Child("scheduler", ["--worker", worker_addr, "--port", "0",
                                             "--max-num-seqs", str(args.max_num_seqs),
                                             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                                            "--max-prefill-tokens-while-decoding",
+                                            str(args.max_prefill_tokens_while_decoding),
                                             "--enable-prefix-caching" if args.enable_prefix_caching
                                             else "--no-enable-prefix-caching",
                                             "--grace-period", str(args.grace_period)], ready_dir)

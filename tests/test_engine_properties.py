@@ -87,15 +87,17 @@ requests = st.lists(st.tuples(prefixes, st.lists(st.integers(1, 9), min_size=1, 
 
 @settings(max_examples=250, deadline=None)
 @given(requests=requests, num_blocks=st.integers(10, 40), budget=st.sampled_from([4, 8, 32]),
-       max_seqs=st.sampled_from([1, 3, 16]), pipelined=st.booleans(), stop_token=st.sampled_from([None, 7, 11]))
+       max_seqs=st.sampled_from([1, 3, 16]), pipelined=st.booleans(), stop_token=st.sampled_from([None, 7, 11]),
+       prefill_while_decoding=st.sampled_from([None, 1, 3]))
 def test_random_workloads_keep_outputs_and_reference_counts(requests, num_blocks, budget, max_seqs, pipelined,
-                                                            stop_token):
+                                                            stop_token, prefill_while_decoding):
     """`pipelined`: decode steps are launched before the previous result is read (placeholder
     tokens); `stop_token` ends sequences on a sampled token, which a pipelined step cannot foresee."""
     context = num_blocks * BLOCK           # as a worker sizes it: one sequence always fits the pool
     worker = TokenKVWorker(num_blocks)
     engine = Engine(worker, num_blocks, BLOCK, context, max_num_batched_tokens=budget,
-                    max_num_seqs=max_seqs, submit=worker.submit if pipelined else None)
+                    max_num_seqs=max_seqs, submit=worker.submit if pipelined else None,
+                    max_prefill_tokens_while_decoding=prefill_while_decoding)
     stops = () if stop_token is None else (stop_token,)
     pending = sorted(((arrive, i) for i, (_, _, _, arrive, _) in enumerate(requests)), reverse=True)
     seqs: dict[int, Sequence] = {}
@@ -121,6 +123,35 @@ def test_random_workloads_keep_outputs_and_reference_counts(requests, num_blocks
         else:
             assert seqs[i].output == run_alone(prefix + suffix, n, context, stops), i
     assert engine.blocks.num_free == num_blocks
+
+
+def test_a_step_that_decodes_takes_at_most_the_prefill_limit_of_prompt_tokens():
+    """--max-prefill-tokens-while-decoding: a long prompt arriving while another request decodes
+    is prefilled 8 tokens a step (the decode's inter-token latency stays one small step); alone,
+    a prompt takes the whole budget of 32 per step. Outputs are unchanged."""
+    steps: list[StepRequest] = []
+    worker = TokenKVWorker(64)
+    engine = Engine(lambda r: steps.append(r) or worker(r), 64, BLOCK, 256, max_num_batched_tokens=32,
+                    max_prefill_tokens_while_decoding=8)
+    first = Sequence([5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0))
+    engine.add(first)
+    engine.step()
+    assert [len(c.token_ids) for c in steps[-1].chunks] == [3]
+    long_prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9] * 6
+    second = Sequence(long_prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    engine.add(second)
+    while engine.has_work():
+        engine.step()
+    prefill_sizes = [len(c.token_ids) for r in steps[1:] for c in r.chunks if c.seq_id == second.seq_id
+                     and c.start_pos < len(long_prompt)]
+    assert prefill_sizes == [8] * 6 + [6]              # 54 prompt tokens while `first` decodes
+    assert all(sum(len(c.token_ids) for c in r.chunks) <= 9 for r in steps[1:])
+    assert first.output == run_alone([5, 6, 7], 30, 256) and second.output == run_alone(long_prompt, 4, 256)
+
+    alone = Sequence(long_prompt[::-1], SamplingParams(max_tokens=2, temperature=0.0))   # nothing cached
+    engine.add(alone)
+    engine.step()
+    assert [len(c.token_ids) for c in steps[-1].chunks] == [32]
 
 
 def test_identical_prompts_compute_their_shared_blocks_once():
