@@ -119,3 +119,23 @@ def test_backend_uses_codes_for_few_rows_and_sgemm_for_many():
     np.testing.assert_array_equal(ops.matmul(xn, poisoned), xn @ w.dense)
     # and a backend told not to keep codes
     assert CPUBackend(quantized_matmul=False).prepare_weight(dense, [(raw, T.Q4_K, shape)]).codes is None
+
+
+def test_a_pass_keeps_the_kernels_its_token_count_chose():
+    """begin_pass(n) decides for the whole forward: the last layer's FFN and the logits of a
+    12-token pass run on one row but stay on sgemm; a 1-token pass stays on the codes."""
+    rng = np.random.default_rng(3)
+    shape = (192, 512)
+    raw = random_tensor("Q4_K", *shape, rng)
+    dense = dequantize(raw, T.Q4_K, shape)
+    ops = CPUBackend(quantized_matmul=True)
+    w = ops.prepare_weight(dense, [(raw, T.Q4_K, shape)])
+    poisoned = cpu_backend.Linear(w.dense, quantized.QuantizedMatrix(
+        np.zeros_like(w.codes.codes), w.codes.scale, w.codes.offset, 192, 512, w.codes.group))
+    x1 = rng.standard_normal((1, 512)).astype(np.float32)
+    ops.begin_pass(12)
+    np.testing.assert_array_equal(ops.matmul(x1, poisoned), x1 @ w.dense)
+    ops.begin_pass(1)
+    assert not np.allclose(ops.matmul(x1, poisoned), x1 @ w.dense)
+    ops.begin_pass(quantized.COMPILED_MAX_ROWS + 1)
+    np.testing.assert_array_equal(ops.matmul(x1, poisoned), x1 @ w.dense)

@@ -74,6 +74,7 @@ class ModelRunner:
                                      "no token for it")
                 c.token_ids = np.array([state.last_sampled], np.int64)
         inp, score_rows = self._pack(chunks)
+        self.ops.begin_pass(len(inp.token_ids))
         hidden = self.model.forward(inp)
         results = [SeqResult(c.seq_id) for c in chunks]
 
@@ -100,6 +101,7 @@ class ModelRunner:
         """Raw logits of the rows a step would read (each chunk's last token, or all of its tokens
         when score_top_k is set), without sampling: for tests and debugging."""
         inp, _ = self._pack(chunks)
+        self.ops.begin_pass(len(inp.token_ids))
         return self.ops.to_numpy(self.model.logits(self.model.forward(inp)))
 
     def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:

@@ -35,6 +35,7 @@ class CPUBackend:
         if quantized_matmul is None:     # TS_QUANTIZED_MATMUL=0: every product in float32 (OpenBLAS)
             quantized_matmul = os.environ.get("TS_QUANTIZED_MATMUL", "1").strip().lower() not in ("0", "false", "no")
         self.quantized_matmul = quantized_matmul and quantized.available()
+        self._compiled_pass: bool | None = None     # set by begin_pass; None: decided per call
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def warm_up(self) -> None:
@@ -42,6 +43,18 @@ class CPUBackend:
         if self.quantized_matmul:
             quantized.warm_up()
             decode_attention.warm_up()
+
+    def begin_pass(self, num_tokens: int) -> None:
+        """Decide once per forward whether its products and decode attention run compiled (numba's
+        threads) or on OpenBLAS, by the pass's token count: the last layer's FFN and the logits see
+        fewer rows than the pass (only those that need logits), and switching between the two
+        thread pools inside a pass costs milliseconds while the other pool's threads spin."""
+        self._compiled_pass = self.quantized_matmul and num_tokens <= quantized.COMPILED_MAX_ROWS
+
+    def _compiled(self, rows: int) -> bool:
+        if self._compiled_pass is not None:
+            return self._compiled_pass
+        return self.quantized_matmul and rows <= quantized.COMPILED_MAX_ROWS
 
     # --- arrays -----------------------------------------------------------
     def asarray(self, x: np.ndarray) -> np.ndarray:
@@ -61,7 +74,7 @@ class CPUBackend:
         return Linear(dense, codes)
 
     def matmul(self, x: np.ndarray, w: Linear) -> np.ndarray:
-        if w.codes is not None and x.shape[0] <= quantized.COMPILED_MAX_ROWS:
+        if w.codes is not None and self._compiled(x.shape[0]):
             return quantized.matmul(x, w.codes)
         return x @ w.dense
 
@@ -167,4 +180,5 @@ class CPUBackend:
 
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         meta: AttentionMetadata, scale: float, window: int = 0) -> np.ndarray:
-        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, compiled=self.quantized_matmul)
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window,
+                                         compiled=self._compiled(q.shape[0]))
