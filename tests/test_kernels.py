@@ -422,11 +422,14 @@ def test_matmul_and_embedding(ops):
 
 @pytest.mark.parametrize("window", [0, 5])
 def test_compiled_decode_attention_matches_numpy_path(ops, window):
-    """The numba decode kernel and the numpy fallback (machines without numba) agree."""
+    """The numba decode kernel, parallel and serial, and the numpy fallback (machines without numba)
+    agree."""
     from kernels.cpu import attention, decode_attention
     if not decode_attention.available():
         pytest.skip("numba is not installed")
     p = Paged(ops, [(1, 1), (9, 1), (33, 1), (64, 1)], n_heads=6, n_kv=2, dim=16, block_size=4, seed=12)
     q = np.concatenate(p.q)
     args = (q, p.k_cache, p.v_cache, p.meta.block_tables, p.meta.context_lens, 0.3, window)
-    close(decode_attention.decode_attention(*args), attention._decode(*args).astype(np.float64))
+    want = attention._decode(*args).astype(np.float64)
+    close(decode_attention.decode_attention(*args), want)
+    close(decode_attention.decode_attention(*args, parallel=False), want)

@@ -1,10 +1,14 @@
-"""Grouped-query attention over a paged KV cache, in numpy.
+"""Grouped-query attention over a paged KV cache.
 
 K/V caches are [n_kv_heads, num_blocks, block_size, head_dim]. Decode rows
-(one query token) of all sequences are computed together over padded
-contexts; multi-token rows (prefill chunks, diffusion canvases) sequence by
-sequence. Sliding window follows llama.cpp: a query at p sees keys k with
-p - window < k <= p.
+(one query token) of all sequences go to the compiled kernel of
+kernels/cpu/decode_attention.py, which walks the block tables: on numba's
+threads in passes whose products run there too, on the calling thread alone in
+passes whose products use OpenBLAS's threads (the two pools must not meet in a
+pass); without numba they are computed together over padded, gathered
+contexts in numpy. Multi-token rows (prefill chunks, diffusion canvases) go
+sequence by sequence through numpy/OpenBLAS. Sliding window follows llama.cpp:
+a query at p sees keys k with p - window < k <= p.
 """
 from __future__ import annotations
 
@@ -27,10 +31,12 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     single = (meta.query_lens == 1) & meta.causal
     if single.any():
         seqs = np.flatnonzero(single)
-        compiled = compiled and decode_attention.available() and q.shape[0] <= quantized.COMPILED_MAX_ROWS
-        decode = decode_attention.decode_attention if compiled else _decode
-        out[starts[seqs]] = decode(q[starts[seqs]], k_cache, v_cache, meta.block_tables[seqs],
-                                    meta.context_lens[seqs], scale, window)
+        args = (q[starts[seqs]], k_cache, v_cache, meta.block_tables[seqs], meta.context_lens[seqs], scale, window)
+        if not decode_attention.available():
+            out[starts[seqs]] = _decode(*args)
+        else:   # on numba's threads in compiled passes, else on this thread alone (OpenBLAS's are spinning)
+            parallel = compiled and q.shape[0] <= quantized.COMPILED_MAX_ROWS
+            out[starts[seqs]] = decode_attention.decode_attention(*args, parallel=parallel)
     for i in np.flatnonzero(~single):
         s, n = starts[i], meta.query_lens[i]
         out[s:s + n] = _multi_token(q[s:s + n], k_cache, v_cache, meta.block_tables[i],
