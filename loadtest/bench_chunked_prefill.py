@@ -4,8 +4,9 @@ Eight greedy streams decode on the in-process engine (SmolLM2) while a
 4000-token prompt arrives. Three runs:
 
   baseline   the eight streams alone;
-  chunked    the long prompt arrives and is prefilled in chunks of at most
-             --max-num-batched-tokens (default 256, the server's) mixed with the decodes;
+  chunked    the long prompt arrives and is prefilled in chunks mixed with the decodes:
+             at most --max-prefill-tokens-while-decoding prompt tokens a step (default
+             64, the server's; 0: the whole --max-num-batched-tokens, default 256);
   unchunked  the same with a budget that takes the whole prompt in one step
              (what a server without chunked prefill does).
 
@@ -13,7 +14,8 @@ The inter-token latency of a stream is the time between its consecutive
 tokens; p50/p99 are over all streams' gaps while the long prompt is being
 prefilled (baseline: over the same number of steps).
 
-    python loadtest/bench_chunked_prefill.py [--long 4000] [--streams 8] [--json]
+    python loadtest/bench_chunked_prefill.py [--long 4000] [--streams 8]
+        [--max-num-batched-tokens 256] [--max-prefill-tokens-while-decoding 64] [--json]
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 MODEL = "smollm2-135m"
 
 
-def run(local, long_prompt: list[int] | None, streams: int, budget: int, decode_tokens: int) -> dict:
+def run(local, long_prompt: list[int] | None, streams: int, budget: int, decode_tokens: int,
+        prefill_while_decoding: int | None = None) -> dict:
     from scheduler.engine import Engine
     from scheduler.sequence import Sequence
     from shared.sampling_params import SamplingParams
@@ -41,7 +44,7 @@ def run(local, long_prompt: list[int] | None, streams: int, budget: int, decode_
     cap = runner.capacity
     engine = Engine(runner.execute, cap.num_blocks, cap.block_size, cap.max_context,
                     max_num_batched_tokens=budget, fingerprint=runner.config.fingerprint,
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=False, max_prefill_tokens_while_decoding=prefill_while_decoding)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     decoders = [Sequence([1 + i, 504, 3458, 282, 253, 1345, 1298], params) for i in range(streams)]
     for s in decoders:
@@ -73,6 +76,8 @@ def main() -> int:
     ap.add_argument("--long", type=int, default=4000, help="tokens of the arriving prompt")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--max-prefill-tokens-while-decoding", type=int, default=64,
+                    help="the scheduler's limit (tensorserve serve's default 64); 0: none, the whole budget")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -82,11 +87,13 @@ def main() -> int:
              "evening light while the town sleeps ").split()
     text = " ".join(words[i % len(words)] + str(i % 97) for i in range(args.long))
     long_prompt = local.tokenizer.encode(text)[:args.long]
-    chunked = run(local, long_prompt, args.streams, args.max_num_batched_tokens, 0)
+    limit = args.max_prefill_tokens_while_decoding or None
+    chunked = run(local, long_prompt, args.streams, args.max_num_batched_tokens, 0, limit)
     baseline = run(local, None, args.streams, args.max_num_batched_tokens, chunked["steps"])
     unchunked = run(local, long_prompt, args.streams, len(long_prompt) + args.streams, 0)
     out = {"model": MODEL, "long_prompt_tokens": len(long_prompt), "streams": args.streams,
            "max_num_batched_tokens": args.max_num_batched_tokens,
+           "max_prefill_tokens_while_decoding": limit,
            "baseline": baseline, "chunked": chunked, "unchunked": unchunked,
            "machine": f"{platform.system()} {platform.machine()}, {__import__('os').cpu_count()} CPUs",
            "command": sys.argv}
