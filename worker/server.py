@@ -247,8 +247,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _answer(self, request, result, context, queued_at: float) -> worker_pb2.StepResponse:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %d tokens, %.1f ms from arrival to result, arrived %.1f ms after the "
-                      "previous answer (negative: queued behind the running step)", request.step_id, result.tokens_computed,
-                      (time.perf_counter() - queued_at) * 1e3, (queued_at - self._last_step_end) * 1e3)
+                      "previous answer (negative: queued behind the running step)", request.step_id,
+                      result.tokens_computed, (time.perf_counter() - queued_at) * 1e3,
+                      (queued_at - self._last_step_end) * 1e3)
         self.steps += 1
         with self._lock:
             response = step_result_to_proto(result, self._response_codec(request, context), step_id=request.step_id)
