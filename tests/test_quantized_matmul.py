@@ -107,7 +107,7 @@ def test_backend_uses_codes_for_few_rows_and_sgemm_for_many():
     w = ops.prepare_weight(dense, [(raw, T.Q4_K, shape)])
     assert w.codes is not None
     np.testing.assert_array_equal(w.dense, dense.T)
-    for rows in (1, quantized.COMPILED_MAX_ROWS, quantized.COMPILED_MAX_ROWS + 1, 32):
+    for rows in (1, quantized.COMPILED_MAX_ROWS, quantized.COMPILED_MAX_ROWS + 1, 12, 16, 32):   # 5, 12: padded
         x = rng.standard_normal((rows, shape[1])).astype(np.float32)
         assert_product_close(ops.matmul(x, w), x.astype(np.float64) @ dense.astype(np.float64).T)
     # the switch itself: a product the codes cannot give (poisoned codes) shows which path ran
