@@ -76,8 +76,8 @@ class WorkerClient:
         self.description: worker_pb2.DescribeResponse | None = None
         self._step_id = 0
         self._stream = None                  # the StepStream call, opened by the first step
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._answers: dict[int, worker_pb2.StepResponse] = {}
+        self._outbox: queue.SimpleQueue | None = None      # the stream's requests (None ends it)
+        self._answers: dict[int, worker_pb2.StepResponse] = {}   # read ahead of their wait
         self._waiting_since: float | None = None
         self._hung_message = ""
         self._closed = threading.Event()
@@ -138,7 +138,7 @@ class WorkerClient:
         self._outbox = queue.SimpleQueue()
         self._stream = self.stub.StepStream(iter(self._outbox.get, None),
                                             metadata=((TRANSPORT_METADATA_KEY, self.transport),))
-        self._answers: dict[int, worker_pb2.StepResponse] = {}
+        self._answers = {}
         self._hung_message = ""
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name="worker-watchdog", daemon=True)

@@ -197,7 +197,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         threading.Thread(target=self._read_steps, args=(request_iterator, queued), name="step-reader",
                          daemon=True).start()
         while (item := queued.get()) is not None:
-            request, running, error = item
+            request, running, error, arrived = item
             if error is None:
                 try:
                     result = running.result()
@@ -205,23 +205,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     error = exc
             if error is not None:
                 self._abort_for(error, request, context)
-            yield self._answer(request, result, context, queued_at=running.queued_at)
+            yield self._answer(request, result, context, queued_at=arrived)
 
     def _read_steps(self, requests, queued: queue.SimpleQueue) -> None:
         try:
             for request in requests:
+                t0 = time.perf_counter()
                 try:
                     if self._closed:
                         raise WorkerClosing()
-                    t0 = time.perf_counter()
                     with self._lock:
                         step = self._decode(request)
                 except Exception as exc:            # noqa: BLE001 - answered in order, then the stream ends
-                    queued.put((request, None, exc))
+                    queued.put((request, None, exc, t0))
                     return
-                running = self._model_thread.submit(self.runner.execute, step)
-                running.queued_at = t0
-                queued.put((request, running, None))
+                queued.put((request, self._model_thread.submit(self.runner.execute, step), None, t0))
         except grpc.RpcError:                       # the scheduler closed or cancelled the stream
             pass
         finally:
