@@ -97,13 +97,17 @@ class Paged:
     """Sequences with contiguous K/V, copied into a paged cache through shuffled block tables."""
 
     def __init__(self, ops: CPUBackend, seqs: list[tuple[int, int]], n_heads: int, n_kv: int, dim: int,
-                 block_size: int = 4, shuffle: bool = True, causal: bool = True, seed: int = 0):
-        """seqs: (context_len, query_len) per sequence, in packing order."""
+                 block_size: int = 4, shuffle: bool = True, causal: bool = True, seed: int = 0,
+                 physical: np.ndarray | None = None):
+        """seqs: (context_len, query_len) per sequence, in packing order; `physical`: the block ids
+        handed out in order (default: a permutation, or 0, 1, ... without `shuffle`)."""
         rng = np.random.default_rng(seed)
         self.ops, self.seqs, self.causal = ops, seqs, causal
         blocks_needed = [-(-ctx // block_size) for ctx, _ in seqs]
         num_blocks = sum(blocks_needed) + 3            # spare blocks hold garbage that must never be read
-        physical = rng.permutation(num_blocks) if shuffle else np.arange(num_blocks)
+        if physical is None:
+            physical = rng.permutation(num_blocks) if shuffle else np.arange(num_blocks)
+        num_blocks = max(num_blocks, int(np.max(physical)) + 2)
         self.k_cache, self.v_cache = ops.alloc_kv(num_blocks, block_size, n_kv, dim)
         self.k_cache[:] = rng.standard_normal(self.k_cache.shape) * 100
         self.v_cache[:] = rng.standard_normal(self.v_cache.shape) * 100
@@ -248,6 +252,21 @@ def test_shuffled_block_tables(ops):
     p = Paged(ops, [(45, 45), (12, 12)], n_heads=4, n_kv=2, dim=16, block_size=4, shuffle=True, seed=7)
     assert not np.all(np.diff(p.meta.block_tables[0][:12]) == 1)   # really non-contiguous
     p.check()
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("layout", ["one run", "run and tail", "three runs", "fragmented"])
+@pytest.mark.parametrize("seqs", [[(150, 140)], [(61, 9)], [(61, 9), (33, 1), (20, 20)]],
+                         ids=["two query tiles", "chunk after prefix", "mixed batch"])
+def test_block_tables_in_runs_of_consecutive_blocks(ops, layout, seqs, window):
+    """Runs of consecutive blocks are read as views of the cache, fragmented tables through a gathered
+    copy: both give the attention of the contiguous K/V, inside and across query tiles."""
+    runs = {"one run": [range(40, 80)],
+            "run and tail": [range(3, 20), range(90, 91), range(1, 2), range(50, 80)],
+            "three runs": [range(60, 75), range(5, 12), range(30, 58)],
+            "fragmented": [range(b, b + 1) for b in np.random.default_rng(3).permutation(100)[:70]]}[layout]
+    physical = np.concatenate([np.arange(r.start, r.stop) for r in runs])
+    Paged(ops, seqs, n_heads=6, n_kv=2, dim=8, block_size=4, seed=14, physical=physical).check(window=window)
 
 
 def test_mixed_batch(ops):

@@ -7,7 +7,9 @@ threads in passes whose products run there too, on the calling thread alone in
 passes whose products use OpenBLAS's threads (the two pools must not meet in a
 pass); without numba they are computed together over padded, gathered
 contexts in numpy. Multi-token rows (prefill chunks, diffusion canvases) go
-sequence by sequence through numpy/OpenBLAS. Sliding window follows llama.cpp:
+sequence by sequence through numpy/OpenBLAS, reading each run of consecutive
+block ids as a view of the cache (a prompt's blocks are mostly handed out in
+order) and gathering only fragmented tables. Sliding window follows llama.cpp:
 a query at p sees keys k with p - window < k <= p.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kernels import AttentionMetadata
 from kernels.cpu import decode_attention, quantized
 
 QUERY_TILE = 128
+MAX_KEY_RUNS = 4   # a block table in more runs of consecutive block ids than this is gathered into one copy
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
@@ -96,6 +99,25 @@ def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.
     return np.matmul(scores, values).transpose(1, 0, 2, 3).reshape(n_seqs, n_heads, dim)
 
 
+def _key_segments(k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndarray, n_keys: int
+                  ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(offset, keys [kv, n, d], values [kv, n, d]) covering key positions 0..n_keys-1 of `blocks`:
+    views of the cache for each run of consecutive block ids (no copy), or one gathered copy when
+    the table is fragmented."""
+    n_kv, dim = k_cache.shape[0], k_cache.shape[3]
+    block_size = k_cache.shape[2]
+    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+    if len(breaks) >= MAX_KEY_RUNS:
+        keys = _gather(k_cache, blocks).reshape(n_kv, -1, dim)[:, :n_keys]
+        return [(0, keys, _gather(v_cache, blocks).reshape(n_kv, -1, dim)[:, :n_keys])]
+    segments = []
+    for s, e in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(blocks)]))):
+        first, n = int(blocks[s]), min(int(e - s) * block_size, n_keys - int(s) * block_size)
+        keys = k_cache[:, first:first + int(e - s)].reshape(n_kv, -1, dim)[:, :n]
+        segments.append((int(s) * block_size, keys, v_cache[:, first:first + int(e - s)].reshape(n_kv, -1, dim)[:, :n]))
+    return segments
+
+
 def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table: np.ndarray,
                  ctx: int, scale: float, window: int, causal: bool) -> np.ndarray:
     n_q, n_heads, dim = q.shape
@@ -106,11 +128,9 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
     if causal and window > 0:
         lo = max(0, first_pos - window + 1) // block_size
     hi = -(-ctx // block_size)
-    blocks = table[lo:hi]
-    base = lo * block_size                     # position of keys[..., 0]
+    base = lo * block_size                     # position of key 0
     n_keys = ctx - base
-    keys = _gather(k_cache, blocks).reshape(n_kv, -1, dim)[:, :n_keys].transpose(0, 2, 1)  # [kv, d, L] (view)
-    values = _gather(v_cache, blocks).reshape(n_kv, -1, dim)[:, :n_keys]                    # [kv, L, d]
+    segments = _key_segments(k_cache, v_cache, np.asarray(table[lo:hi]), n_keys)
     # heads of a KV group share one matmul: rows are (group member, query)
     qg = (q * np.float32(scale)).reshape(n_q, n_kv, group, dim).transpose(1, 2, 0, 3)  # [kv, g, n_q, d]
     out = np.empty((n_kv, group, n_q, dim), np.float32)
@@ -118,17 +138,33 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
     tile = QUERY_TILE if causal else n_q
     for a in range(0, n_q, tile):
         b = min(n_q, a + tile)
+        t = b - a
         k_lo, k_hi = 0, n_keys
         if causal:
             k_hi = first_pos + b - base
             if window > 0:
                 k_lo = max(0, first_pos + a - window + 1 - base)
-        qt = qg[:, :, a:b].reshape(n_kv, group * (b - a), dim)
-        scores = np.matmul(qt, keys[:, :, k_lo:k_hi])                                  # [kv, g*t, L']
+        qt = qg[:, :, a:b].reshape(n_kv, group * t, dim)
+        scores = np.empty((n_kv, group * t, k_hi - k_lo), np.float32)
+        parts = []
+        for offset, keys, values in segments:
+            s0, s1 = max(offset, k_lo), min(offset + keys.shape[1], k_hi)
+            if s0 < s1:
+                np.matmul(qt, keys[:, s0 - offset:s1 - offset].transpose(0, 2, 1), out=scores[:, :, s0 - k_lo:s1 - k_lo])
+                parts.append((s0 - k_lo, s1 - k_lo, values[:, s0 - offset:s1 - offset]))
         if causal:
-            scores = scores.reshape(n_kv, group, b - a, -1)
-            scores += _mask_bias(first_pos + a - base - k_lo, b - a, k_hi - k_lo, window)
-            scores = scores.reshape(n_kv, group * (b - a), -1)
-        _softmax_inplace(scores)
-        out[:, :, a:b] = np.matmul(scores, values[:, k_lo:k_hi]).reshape(n_kv, group, b - a, dim)
+            s4 = scores.reshape(n_kv, group, t, -1)
+            if window > 0:
+                s4 += _mask_bias(first_pos + a - base - k_lo, t, k_hi - k_lo, window)
+            else:   # every key before the tile's first query is visible to all of its queries
+                s4[..., -t:] += _mask_bias(0, t, t, 0)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        total = scores.sum(axis=-1, keepdims=True)
+        acc = None
+        for c0, c1, values in parts:
+            part = np.matmul(scores[:, :, c0:c1], values)
+            acc = part if acc is None else acc.__iadd__(part)
+        acc /= total
+        out[:, :, a:b] = acc.reshape(n_kv, group, t, dim)
     return out.transpose(2, 0, 1, 3).reshape(n_q, n_heads, dim)
