@@ -1,9 +1,12 @@
 """Attention of decode rows (one query token per sequence) straight from the paged KV cache.
 
 One task per (sequence, KV head), run in parallel: the group's query heads
-score every visible key by walking the block table (no gather copy of the
-context, no padding to the longest sequence), then softmax and the weighted
-sum of values. Compiled by numba twice: in parallel (passes of a few rows, whose
+score every visible key by walking the block table a block at a time (no
+gather copy of the context, no padding to the longest sequence), then softmax
+(a vectorized exp: numba's scalar exp calls took a third of the kernel) and
+the weighted sum of values. 32 sequences at ~150 tokens: 40 -> 28 ms a step
+serial, 22 -> 16 ms parallel (AVX2, 2 cores); the serial kernel is then within
+~1.5x of what one core streams from memory. Compiled by numba twice: in parallel (passes of a few rows, whose
 products run on numba's threads too) and serial (larger passes, whose products
 run on OpenBLAS's threads: measured on 2 cores, 32 sequences at ~150 tokens,
 44 ms a step against 50 ms for the numpy path, and 2x slower than both when the
@@ -37,6 +40,33 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, ta
     return out
 
 
+def _softmax_numerators(row, bits):  # pragma: no cover - numba
+    """row[:] = exp(row - max(row)) in place, returning the sum: Cephes' expf (within 2 ulp) split
+    into loops LLVM vectorizes, where numba's scalar exp calls took a third of the kernel."""
+    best = row[0]
+    for i in range(1, row.shape[0]):
+        best = max(best, row[i])
+    for i in range(row.shape[0]):
+        x = max(row[i] - best, np.float32(-87.0))
+        n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+        r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        row[i] = p * r * r + r + np.float32(1.0)
+        bits[i] = (np.int32(n) + np.int32(127)) << np.int32(23)     # the float 2**n
+    powers = bits[:row.shape[0]].view(np.float32)
+    total = np.float32(0.0)
+    for i in range(row.shape[0]):
+        e = row[i] * powers[i]
+        row[i] = e
+        total += e
+    return total
+
+
 def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, out):  # pragma: no cover - numba
     n_seqs, n_heads, dim = q.shape
     n_kv = k_cache.shape[0]
@@ -55,37 +85,37 @@ def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, out):  # 
         for g in range(group):
             for d in range(dim):
                 qs[g, d] = q[b, kv * group + g, d] * scale
-        for t in range(lo, n):
-            key = k_cache[kv, tables[b, t // block_size], t % block_size]
-            for g in range(group):
-                acc = np.float32(0.0)
-                for d in range(dim):
-                    acc += qs[g, d] * key[d]
-                scores[g, t - lo] = acc
+        first_block, end_block = lo // block_size, (n + block_size - 1) // block_size
+        for blk in range(first_block, end_block):     # one block's keys at a time: a [block_size, d] view
+            keys = k_cache[kv, tables[b, blk]]
+            base = blk * block_size
+            for j in range(max(lo, base) - base, min(n, base + block_size) - base):
+                for g in range(group):
+                    acc = np.float32(0.0)
+                    for d in range(dim):
+                        acc += qs[g, d] * keys[j, d]
+                    scores[g, base + j - lo] = acc
         totals = np.empty(group, np.float32)
+        bits = np.empty(span, np.int32)
         for g in range(group):
-            best = scores[g, 0]
-            for i in range(1, span):
-                best = max(best, scores[g, i])
-            total = np.float32(0.0)
-            for i in range(span):
-                e = np.exp(scores[g, i] - best)
-                scores[g, i] = e
-                total += e
-            totals[g] = total
+            totals[g] = _softmax_numerators(scores[g], bits)
         acc_out = np.zeros((group, dim), np.float32)
-        for t in range(lo, n):
-            value = v_cache[kv, tables[b, t // block_size], t % block_size]
+        for blk in range(first_block, end_block):
+            values = v_cache[kv, tables[b, blk]]
+            base = blk * block_size
             for g in range(group):
-                w = scores[g, t - lo]
-                for d in range(dim):
-                    acc_out[g, d] += w * value[d]
+                for j in range(max(lo, base) - base, min(n, base + block_size) - base):
+                    w = scores[g, base + j - lo]
+                    for d in range(dim):
+                        acc_out[g, d] += w * values[j, d]
         for g in range(group):
             inv = np.float32(1.0) / totals[g]
             for d in range(dim):
                 out[b, kv * group + g, d] = acc_out[g, d] * inv
 
 
+if available():
+    _softmax_numerators = njit(fastmath=True, cache=True, nogil=True)(_softmax_numerators)
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None
 # the same code under another name: numba's on-disk cache is keyed by the function's qualified
 # name, and the serial and parallel compilations must not load each other
