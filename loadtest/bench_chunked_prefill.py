@@ -6,7 +6,7 @@ Eight greedy streams decode on the in-process engine (SmolLM2) while a
   baseline   the eight streams alone;
   chunked    the long prompt arrives and is prefilled in chunks mixed with the decodes:
              at most --max-prefill-tokens-while-decoding prompt tokens a step (default
-             64, the server's; 0: the whole --max-num-batched-tokens, default 256);
+             48, the server's; 0: the whole --max-num-batched-tokens, default 256);
   unchunked  the same with a budget that takes the whole prompt in one step
              (what a server without chunked prefill does).
 
@@ -15,7 +15,7 @@ tokens; p50/p99 are over all streams' gaps while the long prompt is being
 prefilled (baseline: over the same number of steps).
 
     python loadtest/bench_chunked_prefill.py [--long 4000] [--streams 8]
-        [--max-num-batched-tokens 256] [--max-prefill-tokens-while-decoding 64] [--json]
+        [--max-num-batched-tokens 256] [--max-prefill-tokens-while-decoding 48] [--json]
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def main() -> int:
     ap.add_argument("--long", type=int, default=4000, help="tokens of the arriving prompt")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--max-prefill-tokens-while-decoding", type=int, default=64,
+    ap.add_argument("--max-prefill-tokens-while-decoding", type=int, default=48,
                     help="the scheduler's limit (tensorserve serve's default 64); 0: none, the whole budget")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

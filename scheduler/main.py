@@ -35,10 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens computed per step at most (prefill chunk budget) "
                              "[env TS_MAX_NUM_BATCHED_TOKENS, default 256: on a CPU worker one 256-token chunk is a ~0.4 s step, which bounds the decodes' inter-token latency]")
     parser.add_argument("--max-prefill-tokens-while-decoding", type=int,
-                        default=int(_env("TS_MAX_PREFILL_TOKENS_WHILE_DECODING", 64)),
+                        default=int(_env("TS_MAX_PREFILL_TOKENS_WHILE_DECODING", 48)),
                         help="prompt tokens a step that also decodes takes at most; a step's time is the "
                              "decodes' inter-token latency, so this bounds it while prompts arrive "
-                             "[env TS_MAX_PREFILL_TOKENS_WHILE_DECODING, default 64]")
+                             "[env TS_MAX_PREFILL_TOKENS_WHILE_DECODING, default 48]")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=_env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
                         help="reuse the KV of full blocks shared with earlier prompts "

@@ -44,10 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens computed per engine step at most (prefill chunk budget) "
                         "[env TS_MAX_NUM_BATCHED_TOKENS, default 256]")
     p.add_argument("--max-prefill-tokens-while-decoding",
-                   default=env("TS_MAX_PREFILL_TOKENS_WHILE_DECODING", "64"),
+                   default=env("TS_MAX_PREFILL_TOKENS_WHILE_DECODING", "48"),
                    help="prompt tokens a step that also decodes takes at most: bounds the running "
                         "requests' inter-token latency while new prompts arrive "
-                        "[env TS_MAX_PREFILL_TOKENS_WHILE_DECODING, default 64]")
+                        "[env TS_MAX_PREFILL_TOKENS_WHILE_DECODING, default 48]")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
                    help="reuse the KV of full blocks shared with earlier prompts [env TS_ENABLE_PREFIX_CACHING, "
