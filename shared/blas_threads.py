@@ -7,9 +7,10 @@ import os
 # cycles before they sleep; the default, 2**28, is ~0.1 s. A worker alternates passes on
 # OpenBLAS's threads (prefill chunks, large batches) with passes on numba's threads (decode of
 # a few rows), and on 2 cores the spinning threads slowed the first compiled decode step after
-# a 12-token prefill from 20-30 ms to 56-123 ms (docs/BENCHMARKS.md). 2**18 cycles (~0.1 ms)
-# still bridges the gaps between the products of one pass.
-OPENBLAS_THREAD_TIMEOUT = "18"
+# a 12-token prefill from 20-30 ms to 56-123 ms (docs/BENCHMARKS.md). 2**22 cycles (~1.4 ms)
+# still bridges the gaps between the products of one pass (2**18 made the 12-token pass
+# itself slower: its threads slept during each layer's attention and had to be woken).
+OPENBLAS_THREAD_TIMEOUT = "22"
 
 
 def set_openblas_thread_timeout() -> None:

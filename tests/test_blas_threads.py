@@ -19,7 +19,7 @@ def _probe(pkg: str, **env: str) -> str:
 
 def test_worker_and_cli_set_the_timeout_before_numpy_is_loaded():
     for pkg in ("worker", "tensorserve"):
-        assert _probe(pkg) == "False 18"
+        assert _probe(pkg) == "False 22"
 
 
 def test_a_timeout_in_the_environment_wins():
