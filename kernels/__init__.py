@@ -40,8 +40,9 @@ class Backend(Protocol):
     def warm_up(self) -> None:
         """Prepare compiled kernels before the first request (a no-op where there are none)."""
     def begin_pass(self, num_tokens: int) -> None:
-        """A forward of `num_tokens` rows (and the logits of some of them) follows: a backend may
-        pick its kernels for the whole pass here (a no-op where that choice does not arise)."""
+        """A forward of `num_tokens` rows follows (or, from the runner before sampling, the logits
+        product of that many rows): a backend may pick its kernels for the whole pass here (a
+        no-op where that choice does not arise)."""
     def asarray(self, x: np.ndarray) -> Array: ...
     def to_numpy(self, x: Array) -> np.ndarray: ...
     def prepare_weight(self, w: np.ndarray, encoded: list[tuple[np.ndarray, int, tuple[int, int]]] | None = None

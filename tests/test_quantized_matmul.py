@@ -140,3 +140,34 @@ def test_a_pass_keeps_the_kernels_its_token_count_chose():
     assert not np.allclose(ops.matmul(x1, poisoned), x1 @ w.dense)
     ops.begin_pass(quantized.COMPILED_MAX_ROWS + 1)
     np.testing.assert_array_equal(ops.matmul(x1, poisoned), x1 @ w.dense)
+
+
+def test_the_sampled_rows_logits_of_a_prompt_chunk_read_the_codes(tmp_path):
+    """A 12-token chunk runs its layers on sgemm, but its one sampled row's logits product goes by
+    its own row count to the codes (poisoned here, so the path shows in the logprob)."""
+    from shared.sampling_params import SamplingParams
+    from shared.step import SeqChunk, StepRequest
+    from tests.tiny_models import write_tiny_llama
+    from worker.model_runner import ModelRunner
+
+    path = write_tiny_llama(tmp_path / "q8.gguf", default_matrix_type=T.Q8_0, d_model=64, vocab=96)
+    runner = ModelRunner(path, kv_memory=2**20)
+    out = runner.model.output
+    assert out.codes is not None
+    ids = np.arange(3, 15)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def logprob(seq_id: int) -> float:
+        return runner.execute(StepRequest([SeqChunk(seq_id, ids, 0, np.array([0]), len(ids), params=greedy)])
+                              ).results[0].logprob
+
+    clean = logprob(1)
+    runner.model.output = cpu_backend.Linear(out.dense, quantized.QuantizedMatrix(
+        np.zeros_like(out.codes.codes), out.codes.scale, out.codes.offset, out.codes.out_features,
+        out.codes.in_features, out.codes.group))
+    assert logprob(2) != pytest.approx(clean, abs=1e-3)
+    # the codes' logits are the float32 ones (forward_logits keeps the pass's sgemm for them)
+    runner.model.output = out
+    logits = runner.forward_logits([SeqChunk(3, ids, 0, np.array([0]), len(ids), sample=False)])[0]
+    shifted = logits.astype(np.float64) - logits.max()
+    assert clean == pytest.approx(-np.log(np.exp(shifted).sum()), abs=1e-4)   # greedy: the max logit

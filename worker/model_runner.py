@@ -150,6 +150,9 @@ class ModelRunner:
         state.prompt_len = c.prompt_len
 
     def _sample(self, chunks: list[SeqChunk], hidden: np.ndarray, results: list[SeqResult]) -> None:
+        # the logits product goes where its own row count says: a prompt chunk's one sampled row
+        # reads the output matrix's codes (a quarter of its float32 bytes), not OpenBLAS's gemv
+        self.ops.begin_pass(hidden.shape[0])
         logits = self.ops.to_numpy(self.model.logits(hidden))
         states = [self._seqs[c.seq_id] for c in chunks]
         params = []

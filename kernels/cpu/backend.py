@@ -53,9 +53,10 @@ class CPUBackend:
 
     def begin_pass(self, num_tokens: int) -> None:
         """Decide once per forward whether its products and decode attention run compiled (numba's
-        threads) or on OpenBLAS, by the pass's token count: the last layer's FFN and the logits see
-        fewer rows than the pass (only those that need logits), and switching between the two
-        thread pools inside a pass costs milliseconds while the other pool's threads spin."""
+        threads) or on OpenBLAS, by the pass's token count: the last layer's FFN sees fewer rows
+        than the pass (only those that need logits), and switching between the two thread pools
+        inside a pass costs milliseconds while the other pool's threads spin. The runner calls it
+        again for the logits product, the pass's last, by the rows it samples."""
         self._compiled_pass = self.quantized_matmul and num_tokens <= quantized.COMPILED_MAX_ROWS
 
     def _compiled(self, rows: int) -> bool:
