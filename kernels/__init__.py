@@ -6,6 +6,7 @@ support the ordinary arithmetic operators, reshape and indexing.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +33,24 @@ class AttentionMetadata:
     @property
     def all_decode(self) -> bool:
         return bool(np.all(self.query_lens == 1))
+
+    # Derived once per forward and shared by every layer's attention (cached on the instance).
+    @functools.cached_property
+    def row_starts(self) -> np.ndarray:
+        """int64 [n_seqs]: the first packed row of each sequence."""
+        return np.cumsum(self.query_lens) - self.query_lens
+
+    @functools.cached_property
+    def decode_seqs(self) -> np.ndarray:
+        """Sequences whose one new token is a causal decode row."""
+        return np.flatnonzero((self.query_lens == 1) & self.causal)
+
+    @functools.cached_property
+    def decode_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, block tables as contiguous int64, context lengths as int64) of the decode sequences."""
+        seqs = self.decode_seqs
+        return (self.row_starts[seqs], np.ascontiguousarray(self.block_tables[seqs], dtype=np.int64),
+                np.ascontiguousarray(self.context_lens[seqs], dtype=np.int64))
 
 
 class Backend(Protocol):

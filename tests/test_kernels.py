@@ -155,6 +155,18 @@ def test_rms_norm(ops, shape):
     close(got, ref_rms_norm(x, w, 1e-6).reshape(shape))
 
 
+def test_rms_norm_per_head_weights_and_strided_input(ops):
+    """Gemma 3's QK-norm: x [tokens, heads, d] (a slice of the fused projection) times [heads, d]."""
+    rng = np.random.default_rng(2)
+    fused = (rng.standard_normal((5, 7, 16)) * 2).astype(np.float32)
+    x = fused[:, 1:6]                                   # not contiguous
+    w = rng.standard_normal((5, 16)).astype(np.float32)
+    got = ops.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape
+    expected = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    close(got, expected.astype(np.float32))
+
+
 def test_rms_norm_eps_dominates_tiny_input(ops):
     x = np.full((2, 8), 1e-4, np.float32)
     w = np.ones(8, np.float32)

@@ -29,22 +29,27 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     meta: AttentionMetadata, scale: float, window: int = 0, compiled: bool = True) -> np.ndarray:
     """`compiled`: decode rows may use the numba kernel (only in passes whose products run on
     numba's threads too, see kernels/cpu/quantized.py)."""
+    starts = meta.row_starts
+    rows, tables, ctx = meta.decode_tables
+    if len(rows) == q.shape[0]:                # a pure decode pass: no row gather or scatter
+        return _decode_rows(q, k_cache, v_cache, tables, ctx, scale, window, compiled)
     out = np.empty_like(q)
-    starts = np.concatenate(([0], np.cumsum(meta.query_lens)[:-1]))
-    single = (meta.query_lens == 1) & meta.causal
-    if single.any():
-        seqs = np.flatnonzero(single)
-        args = (q[starts[seqs]], k_cache, v_cache, meta.block_tables[seqs], meta.context_lens[seqs], scale, window)
-        if not decode_attention.available():
-            out[starts[seqs]] = _decode(*args)
-        else:   # on numba's threads in compiled passes, else on this thread alone (OpenBLAS's are spinning)
-            parallel = compiled and q.shape[0] <= quantized.COMPILED_MAX_ROWS
-            out[starts[seqs]] = decode_attention.decode_attention(*args, parallel=parallel)
-    for i in np.flatnonzero(~single):
+    if len(rows):
+        out[rows] = _decode_rows(q[rows], k_cache, v_cache, tables, ctx, scale, window, compiled)
+    for i in np.flatnonzero((meta.query_lens != 1) | (not meta.causal)):
         s, n = starts[i], meta.query_lens[i]
         out[s:s + n] = _multi_token(q[s:s + n], k_cache, v_cache, meta.block_tables[i],
                                     int(meta.context_lens[i]), scale, window, meta.causal)
     return out
+
+
+def _decode_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.ndarray, ctx: np.ndarray,
+                 scale: float, window: int, compiled: bool) -> np.ndarray:
+    if not decode_attention.available():
+        return _decode(q, k_cache, v_cache, tables, ctx, scale, window)
+    # on numba's threads in compiled passes, else on this thread alone (OpenBLAS's are spinning)
+    parallel = compiled and q.shape[0] <= quantized.COMPILED_MAX_ROWS
+    return decode_attention.decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, parallel=parallel)
 
 
 def _gather(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:

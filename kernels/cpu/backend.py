@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import attention, decode_attention, quantized
+from kernels.cpu import attention, decode_attention, elementwise, quantized
 from kernels.cpu.quantized import QuantizedMatrix
 from shared.dequant import dequantize_rows
 
@@ -50,6 +50,7 @@ class CPUBackend:
         if self.quantized_matmul:
             quantized.warm_up()
             decode_attention.warm_up()
+            elementwise.warm_up()
 
     def begin_pass(self, num_tokens: int) -> None:
         """Decide once per forward whether its products and decode attention run compiled (numba's
@@ -101,6 +102,8 @@ class CPUBackend:
 
     # --- element-wise ----------------------------------------------------------
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        if elementwise.available():     # one compiled call instead of five numpy passes
+            return elementwise.rms_norm(x, weight, eps)
         ms = np.einsum("...i,...i->...", x, x)[..., None]
         ms *= 1.0 / x.shape[-1]
         ms += eps
