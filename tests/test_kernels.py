@@ -195,6 +195,16 @@ def test_rope(ops, neox, head_dim, n_dims, base):
     np.testing.assert_array_equal(got[..., n_dims:], x[..., n_dims:])
 
 
+def test_rope_rows_follow_each_positions_array(ops):
+    """The cos/sin rows kept for a pass's positions array (every layer reuses them) are never served
+    for another array, nor for another frequency base."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    first, second = np.array([0, 7, 9]), np.array([4, 1, 30])
+    for positions, base in ((first, 10000.0), (first, 10000.0), (second, 10000.0), (second, 500.0), (first, 10000.0)):
+        close(ops.rope(x, positions, base, 8, True), ref_rope(x, positions, base, 8, True), atol=1e-4)
+
+
 def test_rope_norm_and_neox_differ(ops):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 1, 8)).astype(np.float32)

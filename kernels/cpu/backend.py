@@ -44,6 +44,7 @@ class CPUBackend:
         self.quantized_matmul = quantized_matmul and quantized.available()
         self._compiled_pass: bool | None = None     # set by begin_pass; None: decided per call
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._rope_rows_of: dict[tuple[float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def warm_up(self) -> None:
         """Compile the numba kernels now (a few seconds the first time, then from numba's cache)."""
@@ -123,10 +124,18 @@ class CPUBackend:
             self._rope_tables[key] = table
         return table
 
+    def _rope_rows(self, positions: np.ndarray, base: float, n_dims: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin rows of `positions`, kept for the next call with the same array (every layer of a pass)."""
+        key = (float(base), n_dims)
+        held = self._rope_rows_of.get(key)
+        if held is None or held[0] is not positions:
+            cos_t, sin_t = self._rope_table(base, n_dims, int(positions.max(initial=0)))
+            held = (positions, cos_t[positions][:, None, :], sin_t[positions][:, None, :])
+            self._rope_rows_of[key] = held
+        return held[1], held[2]
+
     def rope(self, x: np.ndarray, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> np.ndarray:
-        cos_t, sin_t = self._rope_table(base, n_dims, int(positions.max(initial=0)))
-        cos = cos_t[positions][:, None, :]
-        sin = sin_t[positions][:, None, :]
+        cos, sin = self._rope_rows(positions, base, n_dims)
         if neox:
             half = n_dims // 2
             x0, x1 = x[..., :half], x[..., half:n_dims]
