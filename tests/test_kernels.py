@@ -390,6 +390,21 @@ def test_swiglu(ops):
     close(got, ref)
 
 
+def test_swiglu_on_halves_of_a_fused_projection(ops):
+    """The model passes gate_up[:, :d_ff] and gate_up[:, d_ff:] (strided views); far-out gates give
+    silu's limits (0 and the gate itself)."""
+    rng = np.random.default_rng(16)
+    fused = rng.standard_normal((3, 2 * 40)).astype(np.float32)
+    fused[:, :4] = [-1000.0, -200.0, 200.0, 1000.0]
+    gate, up = fused[:, :40], fused[:, 40:]
+    g, u = gate.astype(np.float64), up.astype(np.float64)
+    with np.errstate(over="ignore"):
+        ref = g / (1.0 + np.exp(-g)) * u
+    got = ops.swiglu(gate, up)
+    close(got, ref)
+    np.testing.assert_allclose(got[:, :4], np.array([0.0, 0.0, 200.0, 1000.0]) * u[:, :4], rtol=1e-6, atol=1e-30)
+
+
 def test_gelu_tanh_gate(ops):
     gate, up = _gate_up()
     ref = np.array([[0.5 * g * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))) * u

@@ -151,6 +151,8 @@ class CPUBackend:
         return out
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if elementwise.available():
+            return elementwise.swiglu(gate, up)
         # silu(g) * u = g * u / (1 + exp(-g)); exp overflows to inf for g < -88, which gives the right 0
         denom = np.negative(gate)
         with np.errstate(over="ignore"):

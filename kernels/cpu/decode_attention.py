@@ -19,6 +19,8 @@ import types
 
 import numpy as np
 
+from kernels.cpu.elementwise import exp_shifted
+
 try:
     from numba import njit, prange
 except ImportError:  # pragma: no cover - exercised only where numba is missing
@@ -41,29 +43,15 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, ta
 
 
 def _softmax_numerators(row, bits):  # pragma: no cover - numba
-    """row[:] = exp(row - max(row)) in place, returning the sum: Cephes' expf (within 2 ulp) split
-    into loops LLVM vectorizes, where numba's scalar exp calls took a third of the kernel."""
+    """row[:] = exp(row - max(row)) in place, returning the sum (a vectorized exp: numba's scalar
+    exp calls took a third of the kernel)."""
     best = row[0]
     for i in range(1, row.shape[0]):
         best = max(best, row[i])
-    for i in range(row.shape[0]):
-        x = max(row[i] - best, np.float32(-87.0))
-        n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
-        r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        row[i] = p * r * r + r + np.float32(1.0)
-        bits[i] = (np.int32(n) + np.int32(127)) << np.int32(23)     # the float 2**n
-    powers = bits[:row.shape[0]].view(np.float32)
+    exp_shifted(row, best, bits)
     total = np.float32(0.0)
     for i in range(row.shape[0]):
-        e = row[i] * powers[i]
-        row[i] = e
-        total += e
+        total += row[i]
     return total
 
 

@@ -2,7 +2,9 @@
 
 A decode step runs ~60 RMSNorms on one row each; in numpy each was five array
 operations (~30 us), compiled it is one call of a few microseconds. The sum of
-squares is accumulated in float64, as ggml's rms_norm does.
+squares is accumulated in float64, as ggml's rms_norm does. exp is Cephes'
+expf written as loops LLVM vectorizes (numba's own exp is a libm call per
+element); it serves SwiGLU here and the softmax of decode attention.
 """
 from __future__ import annotations
 
@@ -28,6 +30,44 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out.reshape(x.shape)
 
 
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up = gate * up / (1 + exp(-gate)), for [rows, n] halves of a fused projection."""
+    out = np.empty(gate.shape, np.float32)
+    _swiglu_kernel(gate, up, out, np.empty(gate.shape[-1], np.int32))
+    return out
+
+
+def exp_shifted(values, shift, bits):  # pragma: no cover - compiled by numba
+    """values[:] = exp(values - shift) in place, within 2 ulp (inputs clamped to [-87, 88]); `bits` is
+    int32 scratch of at least values' length."""
+    n_values = values.shape[0]
+    for i in range(n_values):
+        x = min(max(values[i] - shift, np.float32(-87.0)), np.float32(88.0))
+        n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+        r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        values[i] = p * r * r + r + np.float32(1.0)
+        bits[i] = (np.int32(n) + np.int32(127)) << np.int32(23)     # the float 2**n
+    powers = bits[:n_values].view(np.float32)
+    for i in range(n_values):
+        values[i] *= powers[i]
+
+
+def _swiglu_rows(gate, up, out, bits):  # pragma: no cover - compiled by numba
+    for i in range(gate.shape[0]):
+        row = out[i]
+        for j in range(row.shape[0]):
+            row[j] = -gate[i, j]
+        exp_shifted(row, np.float32(0.0), bits)
+        for j in range(row.shape[0]):
+            row[j] = gate[i, j] * up[i, j] / (np.float32(1.0) + row[j])
+
+
 def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled by numba
     n_rows, d = x.shape
     n_weights = weight.shape[0]
@@ -43,9 +83,14 @@ def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled by numba
 
 
 _rms_norm_kernel = njit(fastmath=True, cache=True, nogil=True)(_rms_norm_rows) if available() else None
+if available():
+    exp_shifted = njit(fastmath=True, cache=True, nogil=True)(exp_shifted)
+_swiglu_kernel = njit(fastmath=True, cache=True, nogil=True)(_swiglu_rows) if available() else None
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the kernels."""
     if available():
         rms_norm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6)
+        both = np.ones((1, 16), np.float32)
+        swiglu(both[:, :8], both[:, 8:])
