@@ -48,10 +48,10 @@ class CPUBackend:
 
     def warm_up(self) -> None:
         """Compile the numba kernels now (a few seconds the first time, then from numba's cache)."""
+        elementwise.warm_up()           # RMSNorm and SwiGLU are compiled wherever numba is
         if self.quantized_matmul:
             quantized.warm_up()
             decode_attention.warm_up()
-            elementwise.warm_up()
 
     def begin_pass(self, num_tokens: int) -> None:
         """Decide once per forward whether its products and decode attention run compiled (numba's
