@@ -169,7 +169,7 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
         acc = None
         for c0, c1, values in parts:
             part = np.matmul(scores[:, :, c0:c1], values)
-            acc = part if acc is None else acc.__iadd__(part)
+            acc = part if acc is None else np.add(acc, part, out=acc)
         acc /= total
         out[:, :, a:b] = acc.reshape(n_kv, group, t, dim)
     return out.transpose(2, 0, 1, 3).reshape(n_q, n_heads, dim)

@@ -3,10 +3,10 @@
 One task per (sequence, KV head), run in parallel: the group's query heads
 score every visible key by walking the block table a block at a time (no
 gather copy of the context, no padding to the longest sequence), then softmax
-(a vectorized exp: numba's scalar exp calls took a third of the kernel) and
+(a vectorized exp: with numba's scalar exp, 32 sequences at ~40 tokens took
+13.4 ms a step instead of 7.3) and
 the weighted sum of values. 32 sequences at ~150 tokens: 40 -> 28 ms a step
-serial, 22 -> 16 ms parallel (AVX2, 2 cores); the serial kernel is then within
-~1.5x of what one core streams from memory. Compiled by numba twice: in parallel (passes of a few rows, whose
+serial, 22 -> 16 ms parallel (AVX2, 2 cores). Compiled by numba twice: in parallel (passes of a few rows, whose
 products run on numba's threads too) and serial (larger passes, whose products
 run on OpenBLAS's threads: measured on 2 cores, 32 sequences at ~150 tokens,
 44 ms a step against 50 ms for the numpy path, and 2x slower than both when the
@@ -43,8 +43,7 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, ta
 
 
 def _softmax_numerators(row, bits):  # pragma: no cover - numba
-    """row[:] = exp(row - max(row)) in place, returning the sum (a vectorized exp: numba's scalar
-    exp calls took a third of the kernel)."""
+    """row[:] = exp(row - max(row)) in place, returning the sum (the vectorized exp of elementwise.py)."""
     best = row[0]
     for i in range(1, row.shape[0]):
         best = max(best, row[i])

@@ -1,7 +1,8 @@
 """Compiled element-wise kernels for the CPU backend: one call instead of several numpy passes.
 
 A decode step runs ~60 RMSNorms on one row each; in numpy each was five array
-operations (~30 us), compiled it is one call of a few microseconds. The sum of
+operations (~33 us), compiled they take 0.7 ms a step instead of 2.0 (one
+sequence, AVX2, 2 cores). The sum of
 squares is accumulated in float64, as ggml's rms_norm does. exp is Cephes'
 expf written as loops LLVM vectorizes (numba's own exp is a libm call per
 element); it serves SwiGLU here and the softmax of decode attention.
@@ -38,7 +39,7 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 def exp_shifted(values, shift, bits):  # pragma: no cover - compiled by numba
-    """values[:] = exp(values - shift) in place, within 2 ulp (inputs clamped to [-87, 88]); `bits` is
+    """values[:] = exp(values - shift) in place (inputs clamped to [-87, 88]); `bits` is
     int32 scratch of at least values' length."""
     n_values = values.shape[0]
     for i in range(n_values):
