@@ -52,12 +52,24 @@ class AttentionMetadata:
         return (self.row_starts[seqs], np.ascontiguousarray(self.block_tables[seqs], dtype=np.int64),
                 np.ascontiguousarray(self.context_lens[seqs], dtype=np.int64))
 
+    @functools.cached_property
+    def row_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """(block table as int64, context length as int64) of every packed row, causal: the row at
+        position p of its sequence sees p + 1 tokens."""
+        seq_of_row = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
+        rows_before_end = np.arange(len(seq_of_row)) - (self.row_starts + self.query_lens)[seq_of_row]
+        return (np.ascontiguousarray(self.block_tables[seq_of_row], dtype=np.int64),
+                (self.context_lens[seq_of_row] + 1 + rows_before_end).astype(np.int64))
+
 
 class Backend(Protocol):
     name: str
 
     def warm_up(self) -> None:
         """Prepare compiled kernels before the first request (a no-op where there are none)."""
+    def plan_weights(self, ggml_types: set[int]) -> None:
+        """The GGML types of every matrix the model will prepare, before the first: a backend may
+        pick its kernels for the whole model here (a no-op where that choice does not arise)."""
     def begin_pass(self, num_tokens: int) -> None:
         """A forward of `num_tokens` rows follows (or, from the runner before sampling, the logits
         product of that many rows): a backend may pick its kernels for the whole pass here (a

@@ -55,6 +55,9 @@ def weight_bytes_per_token(model) -> tuple[int, int]:
         if isinstance(obj, np.ndarray):
             read += obj.nbytes
             dense += obj.nbytes
+        elif getattr(obj, "int8", None) is not None:      # 8-bit codes only (TS_INT8_MATMUL=1)
+            dense += 4 * obj.int8.out_features * obj.int8.in_features
+            read += obj.int8.nbytes
         elif hasattr(obj, "dense"):
             dense += obj.dense.nbytes
             read += obj.codes.nbytes if obj.codes is not None else obj.dense.nbytes

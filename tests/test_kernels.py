@@ -489,3 +489,20 @@ def test_compiled_decode_attention_matches_numpy_path(ops, window):
     want = attention._decode(*args).astype(np.float64)
     close(decode_attention.decode_attention(*args), want)
     close(decode_attention.decode_attention(*args, parallel=False), want)
+
+
+def test_round_to_half_is_float16_rounding():
+    """The softmax rounding of the 8-bit passes (llama.cpp's f16 V product) is F16C's: ties to even, subnormals."""
+    from kernels.cpu import elementwise
+    if not elementwise.available():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(2)
+    values = np.concatenate([
+        rng.random(3000).astype(np.float32) * np.float32(10.0) ** rng.integers(-9, 1, 3000).astype(np.float32),
+        -rng.random(100).astype(np.float32) * 1000,
+        np.float32([0.0, 1.0, 2.0 ** -14, 2.0 ** -15, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -25,
+                    1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 65504.0]),
+    ]).astype(np.float32)
+    rounded = values.copy()
+    elementwise.round_to_half(rounded)
+    np.testing.assert_array_equal(rounded, values.astype(np.float16).astype(np.float32))

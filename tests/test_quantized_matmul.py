@@ -142,9 +142,11 @@ def test_a_pass_keeps_the_kernels_its_token_count_chose():
     np.testing.assert_array_equal(ops.matmul(x1, poisoned), x1 @ w.dense)
 
 
-def test_the_sampled_rows_logits_of_a_prompt_chunk_read_the_codes(tmp_path):
+def test_the_sampled_rows_logits_of_a_prompt_chunk_read_the_codes(tmp_path, monkeypatch):
     """A 12-token chunk runs its layers on sgemm, but its one sampled row's logits product goes by
-    its own row count to the codes (poisoned here, so the path shows in the logprob)."""
+    its own row count to the codes (poisoned here, so the path shows in the logprob). The float
+    paths: without the 8-bit products that a VNNI CPU would take for this all-Q8_0 model."""
+    monkeypatch.setenv("TS_INT8_MATMUL", "0")
     from shared.sampling_params import SamplingParams
     from shared.step import SeqChunk, StepRequest
     from tests.tiny_models import write_tiny_llama

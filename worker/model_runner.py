@@ -47,6 +47,7 @@ class ModelRunner:
         cls = model_class(self.gguf.architecture, self.gguf.path)
         self.config = ModelConfig.from_gguf(self.gguf)
         self.ops = get_backend(backend)
+        self.ops.plan_weights({t.ggml_type for t in self.gguf.tensors.values() if len(t.shape) == 2})
         self.ops.warm_up()
         self.model = cls(self.config, WeightLoader(self.gguf, self.ops), self.ops)
         self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context)

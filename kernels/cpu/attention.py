@@ -19,16 +19,25 @@ import functools
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import decode_attention, quantized
+from kernels.cpu import decode_attention
 
 QUERY_TILE = 128
 MAX_KEY_RUNS = 4   # a block table in more runs of consecutive block ids than this is gathered into one copy
 
 
-def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                    meta: AttentionMetadata, scale: float, window: int = 0, compiled: bool = True) -> np.ndarray:
+def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
+                    scale: float, window: int = 0, compiled: bool = True, rowwise: bool = False) -> np.ndarray:
     """`compiled`: decode rows may use the numba kernel (only in passes whose products run on
-    numba's threads too, see kernels/cpu/quantized.py)."""
+    numba's threads too, see kernels/cpu/quantized.py). `rowwise`: every causal row, prompt
+    chunks' too, goes through that kernel alone, so that a row's result does not depend on the
+    rows packed with it (8-bit products round their input, and would magnify any difference);
+    with the rounding of ggml's CPU backend and its f16 KV cache: queries and the softmax in
+    float16 (the backend stores K/V rounded to float16 in these passes)."""
+    if rowwise and meta.causal and decode_attention.available():
+        tables, ctx = meta.row_tables
+        return decode_attention.decode_attention(q.astype(np.float16).astype(np.float32), k_cache, v_cache,
+                                                 tables, ctx, scale, window, parallel=compiled,
+                                                 half_probabilities=True)
     starts = meta.row_starts
     rows, tables, ctx = meta.decode_tables
     if len(rows) == q.shape[0]:                # a pure decode pass: no row gather or scatter
@@ -48,8 +57,7 @@ def _decode_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables
     if not decode_attention.available():
         return _decode(q, k_cache, v_cache, tables, ctx, scale, window)
     # on numba's threads in compiled passes, else on this thread alone (OpenBLAS's are spinning)
-    parallel = compiled and q.shape[0] <= quantized.COMPILED_MAX_ROWS
-    return decode_attention.decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, parallel=parallel)
+    return decode_attention.decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, parallel=compiled)
 
 
 def _gather(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:

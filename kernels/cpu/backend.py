@@ -1,5 +1,6 @@
-"""CPU implementation of the kernels interface: numpy/OpenBLAS in float32, and numba-compiled
-products over the GGUF's integer codes plus decode attention for passes of a few rows."""
+"""CPU implementation of the kernels interface: numpy/OpenBLAS in float32, numba-compiled
+products over the GGUF's integer codes (8-bit integer products with AVX-512 VNNI, see
+kernels/cpu/int8_matmul.py; else float products of a few rows) and decode attention."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import attention, decode_attention, elementwise, quantized
+from kernels.cpu import attention, decode_attention, elementwise, int8_matmul, quantized
+from kernels.cpu.int8_matmul import Int8Matrix
 from kernels.cpu.quantized import QuantizedMatrix
 from shared.dequant import dequantize_rows
 
@@ -30,18 +32,28 @@ class QuantizedRows:
 
 @dataclass(frozen=True)
 class Linear:
-    """A weight matrix prepared for `matmul`: float32 [in, out] for sgemm, plus its integer codes."""
-    dense: np.ndarray
+    """A weight matrix prepared for `matmul`: its 8-bit codes for the VNNI kernel, which then takes
+    every product; else float32 [in, out] for sgemm plus its integer codes for few-row products."""
+    dense: np.ndarray | None
     codes: QuantizedMatrix | None
+    int8: Int8Matrix | None = None
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no")
 
 
 class CPUBackend:
     name = "cpu"
 
-    def __init__(self, quantized_matmul: bool | None = None) -> None:
+    def __init__(self, quantized_matmul: bool | None = None, int8: bool | None = None) -> None:
         if quantized_matmul is None:     # TS_QUANTIZED_MATMUL=0: every product in float32 (OpenBLAS)
-            quantized_matmul = os.environ.get("TS_QUANTIZED_MATMUL", "1").strip().lower() not in ("0", "false", "no")
+            quantized_matmul = _env_flag("TS_QUANTIZED_MATMUL")
+        if int8 is None:                 # TS_INT8_MATMUL=0: no 8-bit products, even where the CPU has VNNI
+            int8 = _env_flag("TS_INT8_MATMUL")
         self.quantized_matmul = quantized_matmul and quantized.available()
+        self.int8_allowed = self.quantized_matmul and int8 and int8_matmul.available()
+        self.int8_matmul = False        # set by plan_weights for a model whose every matrix has byte codes
         self._compiled_pass: bool | None = None     # set by begin_pass; None: decided per call
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
         self._rope_rows_of: dict[tuple[float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -52,14 +64,24 @@ class CPUBackend:
         if self.quantized_matmul:
             quantized.warm_up()
             decode_attention.warm_up()
+        if self.int8_matmul:
+            int8_matmul.warm_up()
+
+    def plan_weights(self, ggml_types: set[int]) -> None:
+        """8-bit products only for a model whose every matrix has byte codes: one matrix on
+        OpenBLAS would put both thread pools in every pass, and its rows would stop being
+        computed alone (on 2 cores Gemma 3's mixed types made batched decode 4x slower)."""
+        self.int8_matmul = self.int8_allowed and bool(ggml_types) and ggml_types <= int8_matmul.BYTE_CODE_TYPES
 
     def begin_pass(self, num_tokens: int) -> None:
         """Decide once per forward whether its products and decode attention run compiled (numba's
         threads) or on OpenBLAS, by the pass's token count: the last layer's FFN sees fewer rows
         than the pass (only those that need logits), and switching between the two thread pools
         inside a pass costs milliseconds while the other pool's threads spin. The runner calls it
-        again for the logits product, the pass's last, by the rows it samples."""
-        self._compiled_pass = self.quantized_matmul and num_tokens <= quantized.COMPILED_MAX_ROWS
+        again for the logits product, the pass's last, by the rows it samples. When every matrix
+        has 8-bit codes no product uses OpenBLAS, and every pass is compiled."""
+        self._compiled_pass = self.quantized_matmul and (num_tokens <= quantized.COMPILED_MAX_ROWS
+                                                         or self.int8_matmul)
 
     def _compiled(self, rows: int) -> bool:
         if self._compiled_pass is not None:
@@ -79,11 +101,15 @@ class CPUBackend:
         # Stored [in, out]: OpenBLAS's sgemm is 20-40 % faster on 32- and 512-row
         # inputs in this layout than with a transposed [out, in] operand, and
         # equal on single rows (loadtest measurements, docs/BENCHMARKS.md).
-        dense = np.ascontiguousarray(w.T, dtype=np.float32)
         codes = quantized.quantize_parts(encoded, w) if encoded and self.quantized_matmul else None
-        return Linear(dense, codes)
+        int8 = int8_matmul.from_codes(codes) if codes is not None and self.int8_matmul else None
+        if int8 is not None:        # the 8-bit kernel takes every product: no float32 copy kept
+            return Linear(None, None, int8)
+        return Linear(np.ascontiguousarray(w.T, dtype=np.float32), codes)
 
     def matmul(self, x: np.ndarray, w: Linear) -> np.ndarray:
+        if w.int8 is not None:
+            return int8_matmul.matmul(x, w.int8)
         if w.codes is not None and self._compiled(x.shape[0]):
             return quantized.matmul(x, w.codes)
         rows = x.shape[0]
@@ -199,6 +225,8 @@ class CPUBackend:
     def store_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
                  slot_mapping: np.ndarray) -> None:
         n_kv, n_blocks, block_size, dim = k_cache.shape
+        if self.int8_matmul:        # llama.cpp's f16 KV cache: the values it holds, kept as float32
+            k, v = k.astype(np.float16), v.astype(np.float16)
         k_cache.reshape(n_kv, n_blocks * block_size, dim)[:, slot_mapping] = k.transpose(1, 0, 2)
         v_cache.reshape(n_kv, n_blocks * block_size, dim)[:, slot_mapping] = v.transpose(1, 0, 2)
 
@@ -209,4 +237,4 @@ class CPUBackend:
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         meta: AttentionMetadata, scale: float, window: int = 0) -> np.ndarray:
         return attention.paged_attention(q, k_cache, v_cache, meta, scale, window,
-                                         compiled=self._compiled(q.shape[0]))
+                                         compiled=self._compiled(q.shape[0]), rowwise=self.int8_matmul)

@@ -19,7 +19,7 @@ import types
 
 import numpy as np
 
-from kernels.cpu.elementwise import exp_shifted
+from kernels.cpu.elementwise import exp_shifted, round_to_half
 
 try:
     from numba import njit, prange
@@ -32,13 +32,16 @@ def available() -> bool:
 
 
 def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.ndarray,
-                     ctx: np.ndarray, scale: float, window: int, parallel: bool = True) -> np.ndarray:
+                     ctx: np.ndarray, scale: float, window: int, parallel: bool = True,
+                     half_probabilities: bool = False) -> np.ndarray:
     """q [B, heads, d] -> [B, heads, d]; sequence b's query sits at position ctx[b] - 1.
-    `parallel=False` runs on the calling thread only (passes whose products use OpenBLAS's threads)."""
+    `parallel=False` runs on the calling thread only (passes whose products use OpenBLAS's threads).
+    `half_probabilities`: the normalised softmax is rounded to float16 before it weights the values,
+    as ggml's CPU backend converts it for the product with an f16 V cache."""
     out = np.empty(q.shape, np.float32)
     (_kernel if parallel else _serial_kernel)(np.ascontiguousarray(q, dtype=np.float32), k_cache, v_cache,
             np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(ctx, dtype=np.int64),
-            np.float32(scale), int(window), out)
+            np.float32(scale), int(window), bool(half_probabilities), out)
     return out
 
 
@@ -54,7 +57,7 @@ def _softmax_numerators(row, bits):  # pragma: no cover - numba
     return total
 
 
-def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, out):  # pragma: no cover - numba
+def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
     n_seqs, n_heads, dim = q.shape
     n_kv = k_cache.shape[0]
     block_size = k_cache.shape[2]
@@ -86,6 +89,12 @@ def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, out):  # 
         bits = np.empty(span, np.int32)
         for g in range(group):
             totals[g] = _softmax_numerators(scores[g], bits)
+            if half:
+                inv_total = np.float32(1.0) / totals[g]
+                for j in range(span):
+                    scores[g, j] *= inv_total
+                round_to_half(scores[g])
+                totals[g] = np.float32(1.0)
         acc_out = np.zeros((group, dim), np.float32)
         for blk in range(first_block, end_block):
             values = v_cache[kv, tables[b, blk]]
@@ -118,4 +127,4 @@ def warm_up() -> None:
         cache = np.zeros((1, 1, 16, 8), np.float32)
         for parallel in (True, False):
             decode_attention(np.ones((1, 2, 8), np.float32), cache, cache, np.zeros((1, 1), np.int64),
-                             np.ones(1, np.int64), 1.0, 0, parallel)
+                             np.ones(1, np.int64), 1.0, 0, parallel, True)

@@ -59,6 +59,18 @@ def exp_shifted(values, shift, bits):  # pragma: no cover - compiled by numba
         values[i] *= powers[i]
 
 
+def round_to_half(values):  # pragma: no cover - compiled by numba
+    """values[:] (contiguous float32) rounded in place to the nearest float16 value, ties to even,
+    as F16C's conversion rounds (finite values below float16's 65520 overflow)."""
+    raw = values.view(np.int32)
+    for i in range(values.shape[0]):
+        u = raw[i]
+        if (u & 0x7FFFFFFF) < 0x38800000:       # below 2**-14: a float16 subnormal, a multiple of 2**-24
+            values[i] = np.float32(np.rint(values[i] * np.float32(16777216.0)) * np.float32(5.9604645e-08))
+        else:                                   # keep 10 of float32's 23 mantissa bits
+            raw[i] = (u + np.int32(0x0FFF) + ((u >> np.int32(13)) & np.int32(1))) & np.int32(-8192)
+
+
 def _swiglu_rows(gate, up, out, bits):  # pragma: no cover - compiled by numba
     for i in range(gate.shape[0]):
         row = out[i]
@@ -86,6 +98,7 @@ def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled by numba
 _rms_norm_kernel = njit(fastmath=True, cache=True, nogil=True)(_rms_norm_rows) if available() else None
 if available():
     exp_shifted = njit(fastmath=True, cache=True, nogil=True)(exp_shifted)
+    round_to_half = njit(cache=True, nogil=True)(round_to_half)
 _swiglu_kernel = njit(fastmath=True, cache=True, nogil=True)(_swiglu_rows) if available() else None
 
 

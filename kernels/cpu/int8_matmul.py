@@ -1,0 +1,279 @@
+"""Matrix products in 8-bit integers, as llama.cpp computes them on AVX-512 VNNI CPUs.
+
+Each row of the input is quantized per group of 32 (or 16) inputs the way ggml
+quantizes activations for its quantized dot products (Q8_0/Q8_1: d = max|x| / 127,
+q = round(x / d), d kept as fp16), and the weights stay in their GGUF codes
+(kernels/cpu/quantized.py checks those reproduce ggml's weights exactly), biased
+to unsigned bytes. Then per output n and group g
+
+    out[n] += (scale[n, g] * d[g]) * sum_k(code[n, k] * q[k]) + offset[n, g] * s[g]
+
+where s[g] = d[g] * sum_k q[k], the integer sum taken by `vpdpbusd` (64 byte
+products a instruction) instead of float32 FMAs on weights four to eight times
+the size. The float combination follows ggml's vec_dot kernels, so results agree
+with llama.cpp as closely as its own rounding allows; unlike the float32 paths
+they are not the exact product of the float input.
+
+The inner kernel is written in LLVM IR through a numba intrinsic (numba has no
+vector types): one tile of 32 outputs by 4 input rows, the tile's codes laid out
+as [group, step, 32 outputs, 4 inputs] so that one 64-byte load feeds 16 outputs.
+Only built where the CPU has AVX-512 VNNI (llvmlite reports the host's features).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from kernels.cpu.quantized import QuantizedMatrix
+
+try:
+    import llvmlite.binding as _llvm
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    njit = None
+
+TILE = 32           # outputs per tile: two 16-lane vectors
+BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0))   # codes fit a byte
+ROWS = 4            # input rows per micro-kernel call
+
+
+def available() -> bool:
+    if njit is None:
+        return False
+    features = _llvm.get_host_cpu_features()
+    return all(features.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
+
+
+@dataclass(frozen=True)
+class Int8Matrix:
+    """An [out, in] matrix as unsigned byte codes with per-group scale and offset, tiled by outputs."""
+    codes: np.ndarray      # uint8 [n_tiles, groups, group // 4, TILE, 4], flattened
+    scale: np.ndarray      # float32 [n_tiles, groups, TILE], flattened
+    offset: np.ndarray     # float32 [n_tiles, groups, TILE], flattened; empty when every offset is 0
+    bias: int              # 128 when the codes were signed (stored + 128), else 0
+    out_features: int
+    in_features: int
+    group: int
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.out_features // TILE)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.offset.nbytes
+
+
+def from_codes(m: QuantizedMatrix) -> Int8Matrix | None:
+    """The same matrix for this kernel, or None when its codes do not fit a byte (k-quants)."""
+    if m.codes.dtype != np.int8 or m.group not in (16, 32):
+        return None
+    n_tiles64, k_in, tile64 = m.codes.shape
+    codes = m.codes.transpose(0, 2, 1).reshape(n_tiles64 * tile64, k_in)[:m.out_features]
+    signed = bool(codes.min(initial=0) < 0)
+    bias = 128 if signed else 0
+    n_tiles = -(-m.out_features // TILE)
+    padded = np.zeros((n_tiles * TILE, k_in), np.uint8)
+    padded[:m.out_features] = (codes.astype(np.int16) + bias).astype(np.uint8)
+    groups = k_in // m.group
+    # [tile, out, group, step, 4] -> [tile, group, step, out, 4]
+    tiled = padded.reshape(n_tiles, TILE, groups, m.group // 4, 4).transpose(0, 2, 3, 1, 4)
+
+    def per_group(a: np.ndarray) -> np.ndarray:      # [tiles64, groups, 64] -> [tiles32, groups, 32]
+        rows = a.transpose(0, 2, 1).reshape(-1, groups)[:m.out_features]
+        out = np.zeros((n_tiles * TILE, groups), np.float32)
+        out[:m.out_features] = rows
+        return np.ascontiguousarray(out.reshape(n_tiles, TILE, groups).transpose(0, 2, 1)).reshape(-1)
+
+    offset = per_group(m.offset) if m.offset.size else np.zeros(0, np.float32)
+    return Int8Matrix(np.ascontiguousarray(tiled).reshape(-1), per_group(m.scale), offset, bias,
+                      m.out_features, k_in, m.group)
+
+
+if available():
+    _I32x16 = ir.VectorType(ir.IntType(32), 16)
+    _F32x16 = ir.VectorType(ir.FloatType(), 16)
+
+    def _ptr(context, builder, aryty, ary, elem: ir.Type):
+        data = context.make_array(aryty)(context, builder, ary).data
+        return builder.bitcast(data, elem.as_pointer())
+
+    def _splat(builder, value, vtype):
+        undef = ir.Constant(vtype, ir.Undefined)
+        v = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+    def _tile_kernel(n_rows: int):
+        """An intrinsic computing out[r0 + r, t * TILE + j] for r < n_rows and the tile's 32 outputs j."""
+
+        @intrinsic
+        def tile_rows(typingctx, codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group):
+            sig = types.void(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group)
+
+            def codegen(context, builder, signature, args):
+                at = signature.args
+                codes_a, qx_a, dx_a, sx_a, qb_a, scale_a, offset_a, out_a, t_v, r0_v, group_v = args
+                i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+                module = builder.module
+                dpbusd = cgutils.get_or_insert_function(
+                    module, ir.FunctionType(_I32x16, [_I32x16] * 3), "llvm.x86.avx512.vpdpbusd.512")
+                fma = cgutils.get_or_insert_function(
+                    module, ir.FunctionType(_F32x16, [_F32x16] * 3), "llvm.fma.v16f32")
+                qx_shape = cgutils.unpack_tuple(builder, context.make_array(at[1])(context, builder, qx_a).shape)
+                out_shape = cgutils.unpack_tuple(builder, context.make_array(at[7])(context, builder, out_a).shape)
+                k_in, n_out = qx_shape[1], out_shape[1]
+                steps = builder.sdiv(group_v, i64(4))
+                groups = builder.sdiv(k_in, group_v)
+                codes_p = _ptr(context, builder, at[0], codes_a, _I32x16)     # 64-byte vectors
+                qx_p = _ptr(context, builder, at[1], qx_a, i32)                # 4 bytes of q at a time
+                dx_p = _ptr(context, builder, at[2], dx_a, f32)
+                sx_p = _ptr(context, builder, at[3], sx_a, f32)
+                qb_p = _ptr(context, builder, at[4], qb_a, i32)
+                scale_p = _ptr(context, builder, at[5], scale_a, _F32x16)
+                offset_p = _ptr(context, builder, at[6], offset_a, _F32x16)
+                out_p = _ptr(context, builder, at[7], out_a, f32)
+                offset_size = cgutils.unpack_tuple(
+                    builder, context.make_array(at[6])(context, builder, offset_a).shape)[0]
+                has_off = builder.icmp_signed("!=", offset_size, i64(0))
+                facc = [cgutils.alloca_once_value(builder, ir.Constant(_F32x16, None)) for _ in range(2 * n_rows)]
+                iacc = [cgutils.alloca_once(builder, _I32x16) for _ in range(2 * n_rows)]
+                k4 = builder.sdiv(k_in, i64(4))                                # qx row stride in dwords
+                q_row0 = builder.mul(r0_v, k4)
+                x_row0 = builder.mul(r0_v, groups)                             # dx/sx/qbias row start
+                tile_vectors = builder.mul(builder.mul(groups, steps), i64(2))
+                c0 = builder.mul(t_v, tile_vectors)
+                s0 = builder.mul(builder.mul(t_v, groups), i64(2))
+                with cgutils.for_range(builder, groups) as g_loop:
+                    g = g_loop.index
+                    for a in iacc:
+                        builder.store(ir.Constant(_I32x16, None), a)
+                    with cgutils.for_range(builder, steps) as s_loop:
+                        step = builder.add(builder.mul(g, steps), s_loop.index)
+                        w_at = builder.add(c0, builder.mul(step, i64(2)))
+                        w = [builder.load(builder.gep(codes_p, [builder.add(w_at, i64(h))]), align=4)
+                             for h in range(2)]
+                        for r in range(n_rows):
+                            x_at = builder.add(builder.add(q_row0, builder.mul(k4, i64(r))), step)
+                            xb = _splat(builder, builder.load(builder.gep(qx_p, [x_at]), align=1), _I32x16)
+                            for h in range(2):
+                                a = iacc[2 * r + h]
+                                builder.store(builder.call(dpbusd, [builder.load(a), w[h], xb]), a)
+                    sc_at = builder.add(s0, builder.mul(g, i64(2)))
+                    sc = [builder.load(builder.gep(scale_p, [builder.add(sc_at, i64(h))]), align=4) for h in range(2)]
+                    for r in range(n_rows):
+                        xg = builder.add(builder.add(x_row0, builder.mul(groups, i64(r))), g)
+                        d = _splat(builder, builder.load(builder.gep(dx_p, [xg])), _F32x16)
+                        qb = _splat(builder, builder.load(builder.gep(qb_p, [xg])), _I32x16)
+                        for h in range(2):
+                            f = builder.sitofp(builder.sub(builder.load(iacc[2 * r + h]), qb), _F32x16)
+                            acc = builder.call(fma, [f, builder.fmul(sc[h], d), builder.load(facc[2 * r + h])])
+                            builder.store(acc, facc[2 * r + h])
+                    with builder.if_then(has_off):
+                        off = [builder.load(builder.gep(offset_p, [builder.add(sc_at, i64(h))]), align=4)
+                               for h in range(2)]
+                        for r in range(n_rows):
+                            xg = builder.add(builder.add(x_row0, builder.mul(groups, i64(r))), g)
+                            s = _splat(builder, builder.load(builder.gep(sx_p, [xg])), _F32x16)
+                            for h in range(2):
+                                acc = builder.call(fma, [off[h], s, builder.load(facc[2 * r + h])])
+                                builder.store(acc, facc[2 * r + h])
+                for r in range(n_rows):
+                    row_at = builder.mul(builder.add(r0_v, i64(r)), n_out)
+                    for h in range(2):
+                        at_out = builder.add(row_at, builder.add(builder.mul(t_v, i64(TILE)), i64(16 * h)))
+                        dst = builder.bitcast(builder.gep(out_p, [at_out]), _F32x16.as_pointer())
+                        builder.store(builder.load(facc[2 * r + h]), dst, align=4)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return tile_rows
+
+    _tile_rows4 = _tile_kernel(ROWS)
+    _tile_rows1 = _tile_kernel(1)
+
+    @njit(inline="always")
+    def _fp16_round(x):  # pragma: no cover - compiled
+        """x rounded to the nearest float16 (ties to even), as GGML_FP32_TO_FP16 stores it."""
+        a = abs(x)
+        if a >= 65520.0:
+            r = np.float32(np.inf)
+        elif a < 6.103515625e-05:                       # float16 subnormals: multiples of 2**-24
+            r = np.float32(np.rint(a * 16777216.0) / 16777216.0)
+        else:                                           # keep 11 significant bits: a in [2**(e-1), 2**e)
+            e = math.frexp(a)[1]
+            r = np.float32(math.ldexp(np.rint(math.ldexp(a, 11 - e)), e - 11))
+        return r if x >= 0 else -r
+
+    @njit(nogil=True, cache=True)
+    def _quantize(x, group, qx, dx, sx, qsum):  # pragma: no cover - compiled
+        """ggml's quantize_row_q8_0 / q8_1 on each row: d = max|x| / 127, q = round(x * (127 / max|x|))."""
+        rows, k_in = x.shape
+        for r in range(rows):
+            for g in range(k_in // group):
+                amax = np.float32(0.0)
+                for k in range(g * group, (g + 1) * group):
+                    amax = max(amax, abs(x[r, k]))
+                d = np.float32(amax / np.float32(127.0))
+                inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+                total = 0
+                for k in range(g * group, (g + 1) * group):
+                    q = np.int32(np.rint(x[r, k] * inv))
+                    qx[r, k] = q
+                    total += q
+                d16 = _fp16_round(d)
+                dx[r, g] = d16
+                sx[r, g] = _fp16_round(np.float32(d * np.float32(total)))
+                qsum[r, g] = total
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def _kernel(x, codes, scale, offset, bias, group, out):  # pragma: no cover - compiled
+        rows, k_in = x.shape
+        groups = k_in // group
+        qx = np.empty((rows, k_in), np.int8)
+        dx = np.empty((rows, groups), np.float32)
+        sx = np.empty((rows, groups), np.float32)
+        qsum = np.empty((rows, groups), np.int32)
+        _quantize(x, group, qx, dx, sx, qsum)
+        qbias = qsum * np.int32(bias)
+        full = rows // ROWS * ROWS
+        for t in prange(out.shape[1] // TILE):
+            for r0 in range(0, full, ROWS):
+                _tile_rows4(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group)
+            for r0 in range(full, rows):
+                _tile_rows1(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group)
+
+
+def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's quantization of x's rows: (q int8 [rows, in], d and d * sum(q) as float16 values
+    [rows, groups], sum(q) int32 [rows, groups])."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    groups = x.shape[1] // group
+    q = np.empty(x.shape, np.int8)
+    d, s = np.empty((x.shape[0], groups), np.float32), np.empty((x.shape[0], groups), np.float32)
+    qsum = np.empty((x.shape[0], groups), np.int32)
+    _quantize(x, group, q, d, s, qsum)
+    return q, d, s, qsum
+
+
+def matmul(x: np.ndarray, w: Int8Matrix) -> np.ndarray:
+    """x float32 [m, in] times the matrix -> float32 [m, out]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], w.n_tiles * TILE), np.float32)
+    _kernel(x, w.codes, w.scale, w.offset, w.bias, w.group, out)
+    return out[:, :w.out_features] if out.shape[1] != w.out_features else out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel for both row counts."""
+    if not available():
+        return
+    m = Int8Matrix(np.ones(TILE * 32, np.uint8), np.ones(TILE, np.float32), np.ones(TILE, np.float32), 128,
+                   TILE, 32, 32)
+    matmul(np.ones((ROWS + 1, 32), np.float32), m)

@@ -1,0 +1,122 @@
+"""kernels/cpu/int8_matmul.py: 8-bit integer products (AVX-512 VNNI), checked against ggml's
+definitions written out here in numpy: quantize_row_q8_0/q8_1 for the input rows and the
+vec_dot formula sum_g (d_w * d_x) * sum(code * q) + m_w * s_x."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.cpu import CPUBackend, int8_matmul, quantized  # noqa: E402
+from shared.dequant import dequantize  # noqa: E402
+from test_quantized_matmul import random_tensor  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not int8_matmul.available(), reason="needs numba and a CPU with AVX-512 VNNI")
+
+BYTE_CODE_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+def ggml_quantize_rows(x: np.ndarray, group: int):
+    """quantize_row_q8_1 as ggml-cpu writes it: d = max / 127, q = round_even(x * (127 / max)),
+    d and s = d * sum(q) stored as fp16."""
+    xg = x.astype(np.float32).reshape(x.shape[0], -1, group)
+    amax = np.abs(xg).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xg * inv[:, :, None]).astype(np.int64)
+    qsum = q.sum(axis=2)
+    d16 = d.astype(np.float16).astype(np.float64)
+    s16 = (d * qsum.astype(np.float32)).astype(np.float16).astype(np.float64)
+    return q, d16, s16
+
+
+def ggml_product(x: np.ndarray, m: quantized.QuantizedMatrix) -> np.ndarray:
+    n_out, k_in, group = m.out_features, m.in_features, m.group
+    codes = m.codes.transpose(0, 2, 1).reshape(-1, k_in)[:n_out].astype(np.int64).reshape(n_out, -1, group)
+    scale = m.scale.transpose(0, 2, 1).reshape(-1, k_in // group)[:n_out].astype(np.float64)
+    offset = (m.offset.transpose(0, 2, 1).reshape(-1, k_in // group)[:n_out].astype(np.float64)
+              if m.offset.size else np.zeros_like(scale))
+    q, d, s = ggml_quantize_rows(x, group)
+    isum = np.einsum("rgk,ngk->rng", q, codes)
+    return (isum * scale[None] * d[:, None, :]).sum(-1) + (offset[None] * s[:, None, :]).sum(-1)
+
+
+@pytest.mark.parametrize("name", BYTE_CODE_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_product_is_ggmls_quantized_dot(name, rows):
+    rng = np.random.default_rng(sum(map(ord, name)) + rows)
+    shape = (70, 256)          # 70 outputs: three 32-output tiles, the last one partly padding
+    raw = random_tensor(name, *shape, rng)
+    m = quantized.quantize_parts([(raw, T[name], shape)])
+    w = int8_matmul.from_codes(m)
+    assert w is not None and w.bias == (128 if m.codes.min() < 0 else 0)
+    x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+    x[0, :32] = 0.0            # an all-zero group: d = 0, q = 0
+    out = int8_matmul.matmul(x, w)
+    expected = ggml_product(x, m)
+    assert out.shape == (rows, 70)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    # and it is the float product up to the input's 8-bit rounding
+    exact = x.astype(np.float64) @ dequantize(raw, T[name], shape).astype(np.float64).T
+    np.testing.assert_allclose(out, exact, rtol=0, atol=0.03 * np.abs(exact).max())
+
+
+def test_each_row_is_computed_alone():
+    """A row's result does not depend on the rows beside it (4-row and 1-row micro-kernels agree bit for bit)."""
+    rng = np.random.default_rng(7)
+    shape = (96, 128)
+    raw = random_tensor("Q4_1", *shape, rng)
+    w = int8_matmul.from_codes(quantized.quantize_parts([(raw, T.Q4_1, shape)]))
+    x = rng.standard_normal((7, shape[1])).astype(np.float32)
+    together = int8_matmul.matmul(x, w)
+    for i in range(7):
+        np.testing.assert_array_equal(together[i], int8_matmul.matmul(x[i:i + 1], w)[0])
+
+
+def test_fp16_rounding_matches_numpy():
+    rng = np.random.default_rng(3)
+    values = np.concatenate([
+        rng.standard_normal(2000).astype(np.float32) * 10.0 ** rng.integers(-9, 5, 2000),
+        np.float32([0.0, 6.1e-5, 5.96e-8, 2.98e-8, 65504.0, 65519.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11]),
+    ]).astype(np.float32)
+    x = np.abs(values)[:, None].repeat(32, axis=1)        # every group's max is the value itself
+    _, d, _, _ = int8_matmul.quantize_rows(x * np.float32(127.0), 32)
+    np.testing.assert_array_equal(d[:, 0], (x[:, 0] * np.float32(127.0) / np.float32(127.0)
+                                            ).astype(np.float16).astype(np.float32))
+
+
+def test_k_quant_codes_stay_on_the_float_paths():
+    rng = np.random.default_rng(11)
+    shape = (64, 256)
+    raw = random_tensor("Q6_K", *shape, rng)
+    assert int8_matmul.from_codes(quantized.quantize_parts([(raw, T.Q6_K, shape)])) is None
+    ops = CPUBackend(quantized_matmul=True, int8=True)
+    ops.plan_weights({int(T.Q8_0), int(T.Q6_K)})      # one k-quant matrix: no 8-bit products at all
+    assert not ops.int8_matmul
+    q8 = random_tensor("Q8_0", *shape, rng)
+    w = ops.prepare_weight(dequantize(q8, T.Q8_0, shape), [(q8, T.Q8_0, shape)])
+    assert w.int8 is None and w.dense is not None
+
+
+def test_backend_keeps_only_the_byte_codes(monkeypatch):
+    rng = np.random.default_rng(5)
+    shape = (64, 256)
+    raw = random_tensor("Q8_0", *shape, rng)
+    dense = dequantize(raw, T.Q8_0, shape)
+    ops = CPUBackend(quantized_matmul=True, int8=True)
+    ops.plan_weights({int(T.Q8_0), int(T.Q4_1)})
+    w = ops.prepare_weight(dense, [(raw, T.Q8_0, shape)])
+    assert w.int8 is not None and w.dense is None and w.codes is None
+    x = rng.standard_normal((12, shape[1])).astype(np.float32)
+    ops.begin_pass(12)
+    np.testing.assert_allclose(ops.matmul(x, w), x @ dense.T, rtol=0, atol=0.03 * np.abs(x @ dense.T).max())
+    monkeypatch.setenv("TS_INT8_MATMUL", "0")
+    assert not CPUBackend(quantized_matmul=True).int8_allowed
+    monkeypatch.setenv("TS_INT8_MATMUL", "1")
+    assert CPUBackend(quantized_matmul=True).int8_allowed
