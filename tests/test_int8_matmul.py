@@ -12,13 +12,13 @@ from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.cpu import CPUBackend, int8_matmul, quantized  # noqa: E402
+from kernels.cpu import CPUBackend, int8_matmul  # noqa: E402
 from shared.dequant import dequantize  # noqa: E402
 from test_quantized_matmul import random_tensor  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not int8_matmul.available(), reason="needs numba and a CPU with AVX-512 VNNI")
 
-BYTE_CODE_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+BYTE_CODE_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def ggml_quantize_rows(x: np.ndarray, group: int):
@@ -36,14 +36,18 @@ def ggml_quantize_rows(x: np.ndarray, group: int):
     return q, d16, s16
 
 
-def ggml_product(x: np.ndarray, m: quantized.QuantizedMatrix) -> np.ndarray:
-    n_out, k_in, group = m.out_features, m.in_features, m.group
-    codes = m.codes.transpose(0, 2, 1).reshape(-1, k_in)[:n_out].astype(np.int64).reshape(n_out, -1, group)
-    scale = m.scale.transpose(0, 2, 1).reshape(-1, k_in // group)[:n_out].astype(np.float64)
-    offset = (m.offset.transpose(0, 2, 1).reshape(-1, k_in // group)[:n_out].astype(np.float64)
-              if m.offset.size else np.zeros_like(scale))
+def byte_codes(raw: np.ndarray, name: str, shape: tuple[int, int]):
+    """The kernel's codes, checked to give back ggml's weights exactly: fl(scale * code) + offset."""
+    codes, scale, offset, group = int8_matmul._byte_split(raw, int(T[name]), shape, None)
+    rebuilt = (codes.reshape(shape[0], -1, group) * scale[:, :, None]).astype(np.float32) + offset[:, :, None]
+    np.testing.assert_array_equal(rebuilt.reshape(shape), dequantize(raw, T[name], shape))
+    return codes, scale, offset, group
+
+
+def ggml_product(x: np.ndarray, codes, scale, offset, group) -> np.ndarray:
+    n_out = codes.shape[0]
     q, d, s = ggml_quantize_rows(x, group)
-    isum = np.einsum("rgk,ngk->rng", q, codes)
+    isum = np.einsum("rgk,ngk->rng", q, codes.astype(np.int64).reshape(n_out, -1, group))
     return (isum * scale[None] * d[:, None, :]).sum(-1) + (offset[None] * s[:, None, :]).sum(-1)
 
 
@@ -51,15 +55,16 @@ def ggml_product(x: np.ndarray, m: quantized.QuantizedMatrix) -> np.ndarray:
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_product_is_ggmls_quantized_dot(name, rows):
     rng = np.random.default_rng(sum(map(ord, name)) + rows)
-    shape = (70, 256)          # 70 outputs: three 32-output tiles, the last one partly padding
+    shape = (70, 512)          # 70 outputs: three 32-output tiles, the last one partly padding
     raw = random_tensor(name, *shape, rng)
-    m = quantized.quantize_parts([(raw, T[name], shape)])
-    w = int8_matmul.from_codes(m)
-    assert w is not None and w.bias == (128 if m.codes.min() < 0 else 0)
+    codes, scale, offset, group = byte_codes(raw, name, shape)
+    assert group == (16 if name == "Q6_K" else 32)
+    w = int8_matmul.from_parts([(raw, T[name], shape)])
+    assert w is not None and w.bias == (128 if codes.min() < 0 else 0) and w.group == group
     x = rng.standard_normal((rows, shape[1])).astype(np.float32)
     x[0, :32] = 0.0            # an all-zero group: d = 0, q = 0
     out = int8_matmul.matmul(x, w)
-    expected = ggml_product(x, m)
+    expected = ggml_product(x, codes, scale, offset, group)
     assert out.shape == (rows, 70)
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     # and it is the float product up to the input's 8-bit rounding
@@ -67,12 +72,24 @@ def test_product_is_ggmls_quantized_dot(name, rows):
     np.testing.assert_allclose(out, exact, rtol=0, atol=0.03 * np.abs(exact).max())
 
 
+def test_parts_of_different_types_stack_on_the_finer_groups():
+    """A fused Q|K|V of Q4_K, Q4_K and Q6_K (Gemma 3's mix): groups of 16 throughout, biased codes."""
+    rng = np.random.default_rng(1)
+    parts = [(random_tensor(n, 32, 256, rng), T[n], (32, 256)) for n in ("Q4_K", "Q4_K", "Q6_K")]
+    w = int8_matmul.from_parts(parts)
+    assert w is not None and w.group == 16 and w.bias == 128 and w.out_features == 96
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    dense = np.concatenate([dequantize(raw, t, shape) for raw, t, shape in parts])
+    exact = x.astype(np.float64) @ dense.astype(np.float64).T
+    np.testing.assert_allclose(int8_matmul.matmul(x, w), exact, rtol=0, atol=0.03 * np.abs(exact).max())
+
+
 def test_each_row_is_computed_alone():
     """A row's result does not depend on the rows beside it (4-row and 1-row micro-kernels agree bit for bit)."""
     rng = np.random.default_rng(7)
     shape = (96, 128)
     raw = random_tensor("Q4_1", *shape, rng)
-    w = int8_matmul.from_codes(quantized.quantize_parts([(raw, T.Q4_1, shape)]))
+    w = int8_matmul.from_parts([(raw, T.Q4_1, shape)])
     x = rng.standard_normal((7, shape[1])).astype(np.float32)
     together = int8_matmul.matmul(x, w)
     for i in range(7):
@@ -91,13 +108,13 @@ def test_fp16_rounding_matches_numpy():
                                             ).astype(np.float16).astype(np.float32))
 
 
-def test_k_quant_codes_stay_on_the_float_paths():
+def test_a_model_with_other_types_stays_on_the_float_paths():
     rng = np.random.default_rng(11)
     shape = (64, 256)
-    raw = random_tensor("Q6_K", *shape, rng)
-    assert int8_matmul.from_codes(quantized.quantize_parts([(raw, T.Q6_K, shape)])) is None
+    raw = random_tensor("Q3_K", *shape, rng)
+    assert int8_matmul.from_parts([(raw, T.Q3_K, shape)]) is None
     ops = CPUBackend(quantized_matmul=True, int8=True)
-    ops.plan_weights({int(T.Q8_0), int(T.Q6_K)})      # one k-quant matrix: no 8-bit products at all
+    ops.plan_weights({int(T.Q8_0), int(T.Q3_K)})      # one Q3_K matrix: no 8-bit products at all
     assert not ops.int8_matmul
     q8 = random_tensor("Q8_0", *shape, rng)
     w = ops.prepare_weight(dequantize(q8, T.Q8_0, shape), [(q8, T.Q8_0, shape)])

@@ -101,10 +101,10 @@ class CPUBackend:
         # Stored [in, out]: OpenBLAS's sgemm is 20-40 % faster on 32- and 512-row
         # inputs in this layout than with a transposed [out, in] operand, and
         # equal on single rows (loadtest measurements, docs/BENCHMARKS.md).
-        codes = quantized.quantize_parts(encoded, w) if encoded and self.quantized_matmul else None
-        int8 = int8_matmul.from_codes(codes) if codes is not None and self.int8_matmul else None
+        int8 = int8_matmul.from_parts(encoded, w) if encoded and self.int8_matmul else None
         if int8 is not None:        # the 8-bit kernel takes every product: no float32 copy kept
             return Linear(None, None, int8)
+        codes = quantized.quantize_parts(encoded, w) if encoded and self.quantized_matmul else None
         return Linear(np.ascontiguousarray(w.T, dtype=np.float32), codes)
 
     def matmul(self, x: np.ndarray, w: Linear) -> np.ndarray:

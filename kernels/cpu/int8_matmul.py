@@ -25,9 +25,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import quants as gguf_quants
 
-from kernels.cpu.quantized import QuantizedMatrix
+from kernels.cpu import quantized
+from shared.dequant import dequantize
 
 try:
     import llvmlite.binding as _llvm
@@ -39,7 +41,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
 TILE = 32           # outputs per tile: two 16-lane vectors
-BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0))   # codes fit a byte
+BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K))
 ROWS = 4            # input rows per micro-kernel call
 
 
@@ -70,30 +72,88 @@ class Int8Matrix:
         return self.codes.nbytes + self.scale.nbytes + self.offset.nbytes
 
 
-def from_codes(m: QuantizedMatrix) -> Int8Matrix | None:
-    """The same matrix for this kernel, or None when its codes do not fit a byte (k-quants)."""
-    if m.codes.dtype != np.int8 or m.group not in (16, 32):
+def from_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]], dense: np.ndarray | None = None
+               ) -> Int8Matrix | None:
+    """One matrix for this kernel from [out, in] GGUF tensors stacked along `out` (`dense`: their
+    stacked float32 decoding, when the caller has it), or None when a part's type has no byte codes
+    or its codes do not give back ggml's weights bit for bit."""
+    n_in = parts[0][2][1]
+    codes, scales, offsets, groups = [], [], [], []
+    first_row = 0
+    for raw, ggml_type, (n_out, part_in) in parts:
+        if part_in != n_in or n_in % 32:
+            return None
+        raw = np.asarray(raw, dtype=np.uint8).reshape(n_out, -1)
+        for r0 in range(0, n_out, _CHUNK_ROWS):
+            rows = raw[r0:r0 + _CHUNK_ROWS]
+            weight = dense[first_row + r0:first_row + r0 + rows.shape[0]] if dense is not None else None
+            split = _byte_split(rows.reshape(-1), int(ggml_type), (rows.shape[0], n_in), weight)
+            if split is None:
+                return None
+            for out, value in zip((codes, scales, offsets, groups), split):
+                out.append(value)
+        first_row += n_out
+    group = min(groups)             # 16 when a part has sub-blocks of 16 (Q6_K): the others repeat theirs
+    scale = np.concatenate([np.repeat(s, g // group, axis=1) for s, g in zip(scales, groups)])
+    offset = np.concatenate([np.repeat(o, g // group, axis=1) for o, g in zip(offsets, groups)])
+    lo = min(int(c.min(initial=0)) for c in codes)
+    hi = max(int(c.max(initial=0)) for c in codes)
+    bias = 128 if lo < 0 else 0
+    if lo + bias < 0 or hi + bias > 255:
         return None
-    n_tiles64, k_in, tile64 = m.codes.shape
-    codes = m.codes.transpose(0, 2, 1).reshape(n_tiles64 * tile64, k_in)[:m.out_features]
-    signed = bool(codes.min(initial=0) < 0)
-    bias = 128 if signed else 0
-    n_tiles = -(-m.out_features // TILE)
-    padded = np.zeros((n_tiles * TILE, k_in), np.uint8)
-    padded[:m.out_features] = (codes.astype(np.int16) + bias).astype(np.uint8)
-    groups = k_in // m.group
-    # [tile, out, group, step, 4] -> [tile, group, step, out, 4]
-    tiled = padded.reshape(n_tiles, TILE, groups, m.group // 4, 4).transpose(0, 2, 3, 1, 4)
+    n_out = scale.shape[0]
+    n_tiles = -(-n_out // TILE)
+    padded = np.zeros((n_tiles * TILE, n_in), np.uint8)
+    row = 0
+    for c in codes:
+        padded[row:row + c.shape[0]] = c + bias
+        row += c.shape[0]
+    # [tile, out, group, step, 4] -> [tile, group, step, out, 4]: one 64-byte load feeds 16 outputs
+    tiled = padded.reshape(n_tiles, TILE, n_in // group, group // 4, 4).transpose(0, 2, 3, 1, 4)
+    return Int8Matrix(np.ascontiguousarray(tiled).reshape(-1), _tile_groups(scale, n_tiles),
+                      _tile_groups(offset, n_tiles) if np.any(offset) else np.zeros(0, np.float32),
+                      bias, n_out, n_in, group)
 
-    def per_group(a: np.ndarray) -> np.ndarray:      # [tiles64, groups, 64] -> [tiles32, groups, 32]
-        rows = a.transpose(0, 2, 1).reshape(-1, groups)[:m.out_features]
-        out = np.zeros((n_tiles * TILE, groups), np.float32)
-        out[:m.out_features] = rows
-        return np.ascontiguousarray(out.reshape(n_tiles, TILE, groups).transpose(0, 2, 1)).reshape(-1)
 
-    offset = per_group(m.offset) if m.offset.size else np.zeros(0, np.float32)
-    return Int8Matrix(np.ascontiguousarray(tiled).reshape(-1), per_group(m.scale), offset, bias,
-                      m.out_features, k_in, m.group)
+_CHUNK_ROWS = 8192
+
+
+def _tile_groups(a: np.ndarray, n_tiles: int) -> np.ndarray:
+    """[out, groups] -> [tile, groups, TILE] flattened, zero-padded."""
+    padded = np.zeros((n_tiles * TILE, a.shape[1]), np.float32)
+    padded[:a.shape[0]] = a
+    return np.ascontiguousarray(padded.reshape(n_tiles, TILE, -1).transpose(0, 2, 1)).reshape(-1)
+
+
+def _byte_split(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], weight: np.ndarray | None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """(codes int16 [out, in], scale and offset float32 [out, in // group], group) such that
+    fl(scale * code) + offset is ggml's weight exactly: the block's d (and minimum m) for the 32-weight
+    types, and for the k-quants each sub-block's d * sc (and -dmin * m), as ggml decodes them."""
+    if ggml_type in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        split = quantized.split_codes(raw, ggml_type, shape, weight)
+        return None if split is None else (split[0], split[1], split[2][:, ::2].copy(), 32)
+    n_out, n_in = shape
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[T(ggml_type)][1])
+    if ggml_type in (T.Q4_K, T.Q5_K):                  # y = (d * sc) * q - dmin * m, sub-blocks of 32
+        sc, m = gguf_quants.Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = quantized._f16(blocks, 0)[:, None] * sc.astype(np.float32)
+        offset = -(quantized._f16(blocks, 2)[:, None] * m.astype(np.float32))
+        group = 32
+    elif ggml_type == T.Q6_K:                          # y = (d * sc) * (q - 32), sub-blocks of 16
+        scale = quantized._f16(blocks, 208)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        offset = np.zeros_like(scale)
+        group = 16
+    else:
+        return None
+    scale, offset = scale.reshape(n_out, -1), offset.reshape(n_out, -1)
+    if weight is None:
+        weight = dequantize(raw, ggml_type, shape)
+    codes = np.empty(shape, np.int16)
+    if not quantized._encode(np.ascontiguousarray(weight, dtype=np.float32), scale,
+                             np.repeat(offset, group // 16, axis=1), group, codes):
+        return None
+    return codes, scale, offset, group
 
 
 if available():
