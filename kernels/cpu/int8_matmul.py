@@ -1,22 +1,27 @@
 """Matrix products in 8-bit integers, as llama.cpp computes them on AVX-512 VNNI CPUs.
 
-Each row of the input is quantized per group of 32 (or 16) inputs the way ggml
+Each row of the input is quantized per group of 32 (16) inputs the way ggml
 quantizes activations for its quantized dot products (Q8_0/Q8_1: d = max|x| / 127,
-q = round(x / d), d kept as fp16), and the weights stay in their GGUF codes
-(kernels/cpu/quantized.py checks those reproduce ggml's weights exactly), biased
-to unsigned bytes. Then per output n and group g
+q = round(x * 127 / max|x|), d kept as fp16), and the weights stay in their GGUF
+codes, biased to unsigned bytes when signed: the block's code with its d (and
+minimum m) for the 32-weight types, each sub-block's code with d * sc (and
+-dmin * m) for Q4_K/Q5_K, and groups of 16 for Q6_K; fl(scale * code) + offset
+must give back ggml's weight bit for bit, or the matrix is not taken. Then per
+output n and group g
 
     out[n] += (scale[n, g] * d[g]) * sum_k(code[n, k] * q[k]) + offset[n, g] * s[g]
 
-where s[g] = d[g] * sum_k q[k], the integer sum taken by `vpdpbusd` (64 byte
-products a instruction) instead of float32 FMAs on weights four to eight times
-the size. The float combination follows ggml's vec_dot kernels, so results agree
-with llama.cpp as closely as its own rounding allows; unlike the float32 paths
-they are not the exact product of the float input.
+where s[g] = d[g] * sum_k q[k] (fp16), the integer sum taken by `vpdpbusd` (64
+byte products an instruction) instead of float32 FMAs on weights four times the
+size. For the 32-weight types this is ggml's vec_dot formula, bit for bit in
+the integer part (the k-quants' products differ: ggml quantizes their input per
+256 as Q8_K). Unlike the float32 paths, results are not the exact product of
+the float input: a 1e-7 change of an input can move one of its 8-bit codes.
 
 The inner kernel is written in LLVM IR through a numba intrinsic (numba has no
-vector types): one tile of 32 outputs by 4 input rows, the tile's codes laid out
-as [group, step, 32 outputs, 4 inputs] so that one 64-byte load feeds 16 outputs.
+vector types): one tile of 32 outputs by 4 input rows (or 1), the tile's codes
+laid out as [group, step, 32 outputs, 4 inputs] so that one 64-byte load feeds
+16 outputs; each row is computed the same way whatever rows share its call.
 Only built where the CPU has AVX-512 VNNI (llvmlite reports the host's features).
 """
 from __future__ import annotations
