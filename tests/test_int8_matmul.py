@@ -1,6 +1,7 @@
-"""kernels/cpu/int8_matmul.py: 8-bit integer products (AVX-512 VNNI), checked against ggml's
-definitions written out here in numpy: quantize_row_q8_0/q8_1 for the input rows and the
-vec_dot formula sum_g (d_w * d_x) * sum(code * q) + m_w * s_x."""
+"""kernels/cpu/int8_matmul.py: 8-bit integer products (AVX-512 VNNI), checked against the
+definitions written out here in numpy: each input row coded in two 8-bit levels (ggml's
+quantize_row_q8_0, then the same coding of its remainder) and the product
+sum_g sum_l (d_w * d_l) * sum(code * q_l) + m_w * s, s the group's float sum."""
 from __future__ import annotations
 
 import sys
@@ -21,19 +22,23 @@ pytestmark = pytest.mark.skipif(not int8_matmul.available(), reason="needs numba
 BYTE_CODE_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
-def ggml_quantize_rows(x: np.ndarray, group: int):
-    """quantize_row_q8_1 as ggml-cpu writes it: d = max / 127, q = round_even(x * (127 / max)),
-    d and s = d * sum(q) stored as fp16."""
-    xg = x.astype(np.float32).reshape(x.shape[0], -1, group)
-    amax = np.abs(xg).max(axis=2)
-    d = (amax / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(xg * inv[:, :, None]).astype(np.int64)
-    qsum = q.sum(axis=2)
-    d16 = d.astype(np.float16).astype(np.float64)
-    s16 = (d * qsum.astype(np.float32)).astype(np.float16).astype(np.float64)
-    return q, d16, s16
+def two_level_coding(x: np.ndarray, group: int):
+    """Level 0 as ggml-cpu's quantize_row_q8_0 (d = max / 127 stored as fp16, q = round_even(x * (127 / max))),
+    level 1 the same of x - d * q (d kept float32); s the group's sum."""
+    levels = []
+    rest = x.astype(np.float32).reshape(x.shape[0], -1, group)
+    s = rest.astype(np.float64).sum(axis=2)
+    for level in range(2):
+        amax = np.abs(rest).max(axis=2)
+        d = (amax / np.float32(127)).astype(np.float32)
+        if level == 0:
+            d = d.astype(np.float16).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        q = np.rint(rest * inv[:, :, None]).astype(np.int64)
+        levels.append((q, d.astype(np.float64)))
+        rest = (rest - d[:, :, None] * q.astype(np.float32)).astype(np.float32)
+    return levels, s
 
 
 def byte_codes(raw: np.ndarray, name: str, shape: tuple[int, int]):
@@ -44,16 +49,19 @@ def byte_codes(raw: np.ndarray, name: str, shape: tuple[int, int]):
     return codes, scale, offset, group
 
 
-def ggml_product(x: np.ndarray, codes, scale, offset, group) -> np.ndarray:
+def coded_product(x: np.ndarray, codes, scale, offset, group) -> np.ndarray:
     n_out = codes.shape[0]
-    q, d, s = ggml_quantize_rows(x, group)
-    isum = np.einsum("rgk,ngk->rng", q, codes.astype(np.int64).reshape(n_out, -1, group))
-    return (isum * scale[None] * d[:, None, :]).sum(-1) + (offset[None] * s[:, None, :]).sum(-1)
+    levels, s = two_level_coding(x, group)
+    out = (offset[None] * s[:, None, :]).sum(-1)
+    for q, d in levels:
+        isum = np.einsum("rgk,ngk->rng", q, codes.astype(np.int64).reshape(n_out, -1, group))
+        out += (isum * scale[None] * d[:, None, :]).sum(-1)
+    return out
 
 
 @pytest.mark.parametrize("name", BYTE_CODE_TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_product_is_ggmls_quantized_dot(name, rows):
+def test_product_is_the_two_level_coded_dot(name, rows):
     rng = np.random.default_rng(sum(map(ord, name)) + rows)
     shape = (70, 512)          # 70 outputs: three 32-output tiles, the last one partly padding
     raw = random_tensor(name, *shape, rng)
@@ -64,12 +72,12 @@ def test_product_is_ggmls_quantized_dot(name, rows):
     x = rng.standard_normal((rows, shape[1])).astype(np.float32)
     x[0, :32] = 0.0            # an all-zero group: d = 0, q = 0
     out = int8_matmul.matmul(x, w)
-    expected = ggml_product(x, codes, scale, offset, group)
+    expected = coded_product(x, codes, scale, offset, group)
     assert out.shape == (rows, 70)
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
-    # and it is the float product up to the input's 8-bit rounding
+    # and, with the remainder's level, the float product to float32's order
     exact = x.astype(np.float64) @ dequantize(raw, T[name], shape).astype(np.float64).T
-    np.testing.assert_allclose(out, exact, rtol=0, atol=0.03 * np.abs(exact).max())
+    np.testing.assert_allclose(out, exact, rtol=0, atol=2e-4 * np.abs(exact).max())
 
 
 def test_parts_of_different_types_stack_on_the_finer_groups():
@@ -81,7 +89,7 @@ def test_parts_of_different_types_stack_on_the_finer_groups():
     x = rng.standard_normal((5, 256)).astype(np.float32)
     dense = np.concatenate([dequantize(raw, t, shape) for raw, t, shape in parts])
     exact = x.astype(np.float64) @ dense.astype(np.float64).T
-    np.testing.assert_allclose(int8_matmul.matmul(x, w), exact, rtol=0, atol=0.03 * np.abs(exact).max())
+    np.testing.assert_allclose(int8_matmul.matmul(x, w), exact, rtol=0, atol=2e-4 * np.abs(exact).max())
 
 
 def test_each_row_is_computed_alone():
@@ -104,8 +112,8 @@ def test_fp16_rounding_matches_numpy():
     ]).astype(np.float32)
     x = np.abs(values)[:, None].repeat(32, axis=1)        # every group's max is the value itself
     _, d, _, _ = int8_matmul.quantize_rows(x * np.float32(127.0), 32)
-    np.testing.assert_array_equal(d[:, 0], (x[:, 0] * np.float32(127.0) / np.float32(127.0)
-                                            ).astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(d[0, :, 0], (x[:, 0] * np.float32(127.0) / np.float32(127.0)
+                                               ).astype(np.float16).astype(np.float32))
 
 
 def test_a_model_with_other_types_stays_on_the_float_paths():
@@ -132,7 +140,7 @@ def test_backend_keeps_only_the_byte_codes(monkeypatch):
     assert w.int8 is not None and w.dense is None and w.codes is None
     x = rng.standard_normal((12, shape[1])).astype(np.float32)
     ops.begin_pass(12)
-    np.testing.assert_allclose(ops.matmul(x, w), x @ dense.T, rtol=0, atol=0.03 * np.abs(x @ dense.T).max())
+    np.testing.assert_allclose(ops.matmul(x, w), x @ dense.T, rtol=0, atol=2e-4 * np.abs(x @ dense.T).max())
     monkeypatch.setenv("TS_INT8_MATMUL", "0")
     assert not CPUBackend(quantized_matmul=True).int8_allowed
     monkeypatch.setenv("TS_INT8_MATMUL", "1")

@@ -1,25 +1,26 @@
-"""Matrix products in 8-bit integers, as llama.cpp computes them on AVX-512 VNNI CPUs.
+"""Matrix products in 8-bit integers on AVX-512 VNNI CPUs, accurate to float32's order.
 
-Each row of the input is quantized per group of 32 (16) inputs the way ggml
-quantizes activations for its quantized dot products (Q8_0/Q8_1: d = max|x| / 127,
-q = round(x * 127 / max|x|), d kept as fp16), and the weights stay in their GGUF
-codes, biased to unsigned bytes when signed: the block's code with its d (and
-minimum m) for the 32-weight types, each sub-block's code with d * sc (and
--dmin * m) for Q4_K/Q5_K, and groups of 16 for Q6_K; fl(scale * code) + offset
-must give back ggml's weight bit for bit, or the matrix is not taken. Then per
-output n and group g
+The weights stay in their GGUF codes, biased to unsigned bytes when signed: the
+block's code with its d (and minimum m) for the 32-weight types, each sub-block's
+code with d * sc (and -dmin * m) for Q4_K/Q5_K, groups of 16 for Q6_K;
+fl(scale * code) + offset must give back ggml's weight bit for bit, or the matrix
+is not taken. Each input row is coded per group of 32 (16) inputs in two 8-bit
+levels: first as ggml codes activations (quantize_row_q8_0: d = max|x| / 127 kept
+as fp16, q = round(x * 127 / max|x|)), then what that leaves, x - d * q, the same
+way. Per output n and group g
 
-    out[n] += (scale[n, g] * d[g]) * sum_k(code[n, k] * q[k]) + offset[n, g] * s[g]
+    out[n] += sum_l (scale[n, g] * d_l[g]) * sum_k(code[n, k] * q_l[k]) + offset[n, g] * s[g]
 
-where s[g] = d[g] * sum_k q[k] (fp16), the integer sum taken by `vpdpbusd` (64
-byte products an instruction) instead of float32 FMAs on weights four times the
-size. For the 32-weight types this is ggml's vec_dot formula, bit for bit in
-the integer part (the k-quants' products differ: ggml quantizes their input per
-256 as Q8_K). Unlike the float32 paths, results are not the exact product of
-the float input: a 1e-7 change of an input can move one of its 8-bit codes.
+with s[g] the float32 sum of the group's inputs, the integer sums taken by
+`vpdpbusd` (64 byte products an instruction) instead of float32 FMAs on weights
+four times the size. One level, as llama.cpp multiplies, was 30 % faster but
+left the input's 8-bit rounding in every product: a 1e-7 change anywhere (one
+ulp of an RMSNorm scale) moved codes and logits by up to ~0.6, enough to flip
+the reference agreement test; with two levels a product is within ~5e-5 of the
+float32 one (relative to its largest output) and the same change moves nothing.
 
 The inner kernel is written in LLVM IR through a numba intrinsic (numba has no
-vector types): one tile of 32 outputs by 4 input rows (or 1), the tile's codes
+vector types): one tile of 32 outputs by 3 input rows (or 1), the tile's codes
 laid out as [group, step, 32 outputs, 4 inputs] so that one 64-byte load feeds
 16 outputs; each row is computed the same way whatever rows share its call.
 Only built where the CPU has AVX-512 VNNI (llvmlite reports the host's features).
@@ -46,8 +47,9 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
 TILE = 32           # outputs per tile: two 16-lane vectors
+LEVELS = 2         # 8-bit codings of each input: ggml's, then the same coding of what it leaves
 BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K))
-ROWS = 4            # input rows per micro-kernel call
+ROWS = 3            # input rows per micro-kernel call (4 spilled registers: 2 levels x 2 halves a row)
 
 
 def available() -> bool:
@@ -174,8 +176,9 @@ if available():
         v = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
         return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
 
-    def _tile_kernel(n_rows: int):
-        """An intrinsic computing out[r0 + r, t * TILE + j] for r < n_rows and the tile's 32 outputs j."""
+    def _tile_kernel(n_rows: int, levels: int):
+        """An intrinsic computing out[r0 + r, t * TILE + j] for r < n_rows and the tile's 32 outputs j,
+        from `levels` 8-bit codings of the input (qx, dx, qbias: [levels, rows, ...])."""
 
         @intrinsic
         def tile_rows(typingctx, codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group):
@@ -192,7 +195,7 @@ if available():
                     module, ir.FunctionType(_F32x16, [_F32x16] * 3), "llvm.fma.v16f32")
                 qx_shape = cgutils.unpack_tuple(builder, context.make_array(at[1])(context, builder, qx_a).shape)
                 out_shape = cgutils.unpack_tuple(builder, context.make_array(at[7])(context, builder, out_a).shape)
-                k_in, n_out = qx_shape[1], out_shape[1]
+                rows_total, k_in, n_out = qx_shape[1], qx_shape[2], out_shape[1]
                 steps = builder.sdiv(group_v, i64(4))
                 groups = builder.sdiv(k_in, group_v)
                 codes_p = _ptr(context, builder, at[0], codes_a, _I32x16)     # 64-byte vectors
@@ -207,8 +210,10 @@ if available():
                     builder, context.make_array(at[6])(context, builder, offset_a).shape)[0]
                 has_off = builder.icmp_signed("!=", offset_size, i64(0))
                 facc = [cgutils.alloca_once_value(builder, ir.Constant(_F32x16, None)) for _ in range(2 * n_rows)]
-                iacc = [cgutils.alloca_once(builder, _I32x16) for _ in range(2 * n_rows)]
+                iacc = [[cgutils.alloca_once(builder, _I32x16) for _ in range(2 * n_rows)] for _ in range(levels)]
                 k4 = builder.sdiv(k_in, i64(4))                                # qx row stride in dwords
+                qx_level = builder.mul(rows_total, k4)                         # level strides
+                x_level = builder.mul(rows_total, groups)
                 q_row0 = builder.mul(r0_v, k4)
                 x_row0 = builder.mul(r0_v, groups)                             # dx/sx/qbias row start
                 tile_vectors = builder.mul(builder.mul(groups, steps), i64(2))
@@ -216,29 +221,34 @@ if available():
                 s0 = builder.mul(builder.mul(t_v, groups), i64(2))
                 with cgutils.for_range(builder, groups) as g_loop:
                     g = g_loop.index
-                    for a in iacc:
-                        builder.store(ir.Constant(_I32x16, None), a)
+                    for level in iacc:
+                        for a in level:
+                            builder.store(ir.Constant(_I32x16, None), a)
                     with cgutils.for_range(builder, steps) as s_loop:
                         step = builder.add(builder.mul(g, steps), s_loop.index)
                         w_at = builder.add(c0, builder.mul(step, i64(2)))
                         w = [builder.load(builder.gep(codes_p, [builder.add(w_at, i64(h))]), align=4)
                              for h in range(2)]
-                        for r in range(n_rows):
-                            x_at = builder.add(builder.add(q_row0, builder.mul(k4, i64(r))), step)
-                            xb = _splat(builder, builder.load(builder.gep(qx_p, [x_at]), align=1), _I32x16)
-                            for h in range(2):
-                                a = iacc[2 * r + h]
-                                builder.store(builder.call(dpbusd, [builder.load(a), w[h], xb]), a)
+                        for lv in range(levels):
+                            for r in range(n_rows):
+                                x_at = builder.add(builder.add(q_row0, builder.mul(k4, i64(r))), step)
+                                x_at = builder.add(x_at, builder.mul(qx_level, i64(lv)))
+                                xb = _splat(builder, builder.load(builder.gep(qx_p, [x_at]), align=1), _I32x16)
+                                for h in range(2):
+                                    a = iacc[lv][2 * r + h]
+                                    builder.store(builder.call(dpbusd, [builder.load(a), w[h], xb]), a)
                     sc_at = builder.add(s0, builder.mul(g, i64(2)))
                     sc = [builder.load(builder.gep(scale_p, [builder.add(sc_at, i64(h))]), align=4) for h in range(2)]
-                    for r in range(n_rows):
-                        xg = builder.add(builder.add(x_row0, builder.mul(groups, i64(r))), g)
-                        d = _splat(builder, builder.load(builder.gep(dx_p, [xg])), _F32x16)
-                        qb = _splat(builder, builder.load(builder.gep(qb_p, [xg])), _I32x16)
-                        for h in range(2):
-                            f = builder.sitofp(builder.sub(builder.load(iacc[2 * r + h]), qb), _F32x16)
-                            acc = builder.call(fma, [f, builder.fmul(sc[h], d), builder.load(facc[2 * r + h])])
-                            builder.store(acc, facc[2 * r + h])
+                    for lv in range(levels):
+                        for r in range(n_rows):
+                            xg = builder.add(builder.add(x_row0, builder.mul(groups, i64(r))), g)
+                            xg = builder.add(xg, builder.mul(x_level, i64(lv)))
+                            d = _splat(builder, builder.load(builder.gep(dx_p, [xg])), _F32x16)
+                            qb = _splat(builder, builder.load(builder.gep(qb_p, [xg])), _I32x16)
+                            for h in range(2):
+                                f = builder.sitofp(builder.sub(builder.load(iacc[lv][2 * r + h]), qb), _F32x16)
+                                acc = builder.call(fma, [f, builder.fmul(sc[h], d), builder.load(facc[2 * r + h])])
+                                builder.store(acc, facc[2 * r + h])
                     with builder.if_then(has_off):
                         off = [builder.load(builder.gep(offset_p, [builder.add(sc_at, i64(h))]), align=4)
                                for h in range(2)]
@@ -260,8 +270,8 @@ if available():
 
         return tile_rows
 
-    _tile_rows4 = _tile_kernel(ROWS)
-    _tile_rows1 = _tile_kernel(1)
+    _tile_rows4 = _tile_kernel(ROWS, LEVELS)
+    _tile_rows1 = _tile_kernel(1, LEVELS)
 
     @njit(inline="always")
     def _fp16_round(x):  # pragma: no cover - compiled
@@ -277,35 +287,49 @@ if available():
         return r if x >= 0 else -r
 
     @njit(nogil=True, cache=True)
-    def _quantize(x, group, qx, dx, sx, qsum):  # pragma: no cover - compiled
-        """ggml's quantize_row_q8_0 / q8_1 on each row: d = max|x| / 127, q = round(x * (127 / max|x|))."""
+    def _quantize_two_levels(x, group, qx, dx, sx, qsum):  # pragma: no cover - compiled
+        """Level 0 as ggml's quantize_row_q8_0; level 1 the same coding of what level 0 leaves
+        (x - d0 * q0); s the float32 sum of x over the group."""
         rows, k_in = x.shape
+        rest = np.empty(group, np.float32)
         for r in range(rows):
             for g in range(k_in // group):
                 amax = np.float32(0.0)
+                total_x = np.float32(0.0)
                 for k in range(g * group, (g + 1) * group):
                     amax = max(amax, abs(x[r, k]))
-                d = np.float32(amax / np.float32(127.0))
+                    total_x += x[r, k]
+                d = _fp16_round(np.float32(amax / np.float32(127.0)))
                 inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
                 total = 0
-                for k in range(g * group, (g + 1) * group):
-                    q = np.int32(np.rint(x[r, k] * inv))
-                    qx[r, k] = q
+                rest_max = np.float32(0.0)
+                for j in range(group):
+                    q = np.int32(np.rint(x[r, g * group + j] * inv))
+                    qx[0, r, g * group + j] = q
                     total += q
-                d16 = _fp16_round(d)
-                dx[r, g] = d16
-                sx[r, g] = _fp16_round(np.float32(d * np.float32(total)))
-                qsum[r, g] = total
+                    rest[j] = x[r, g * group + j] - d * np.float32(q)
+                    rest_max = max(rest_max, abs(rest[j]))
+                dx[0, r, g] = d
+                qsum[0, r, g] = total
+                inv = np.float32(127.0) / rest_max if rest_max != 0 else np.float32(0.0)
+                total = 0
+                for j in range(group):
+                    q = np.int32(np.rint(rest[j] * inv))
+                    qx[1, r, g * group + j] = q
+                    total += q
+                dx[1, r, g] = np.float32(rest_max / np.float32(127.0))
+                qsum[1, r, g] = total
+                sx[r, g] = total_x
 
     @njit(parallel=True, nogil=True, cache=True)
     def _kernel(x, codes, scale, offset, bias, group, out):  # pragma: no cover - compiled
         rows, k_in = x.shape
         groups = k_in // group
-        qx = np.empty((rows, k_in), np.int8)
-        dx = np.empty((rows, groups), np.float32)
+        qx = np.empty((LEVELS, rows, k_in), np.int8)
+        dx = np.empty((LEVELS, rows, groups), np.float32)
         sx = np.empty((rows, groups), np.float32)
-        qsum = np.empty((rows, groups), np.int32)
-        _quantize(x, group, qx, dx, sx, qsum)
+        qsum = np.empty((LEVELS, rows, groups), np.int32)
+        _quantize_two_levels(x, group, qx, dx, sx, qsum)
         qbias = qsum * np.int32(bias)
         full = rows // ROWS * ROWS
         for t in prange(out.shape[1] // TILE):
@@ -316,14 +340,14 @@ if available():
 
 
 def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The kernel's quantization of x's rows: (q int8 [rows, in], d and d * sum(q) as float16 values
-    [rows, groups], sum(q) int32 [rows, groups])."""
+    """The kernel's coding of x's rows: q int8 [2, rows, in], d float32 [2, rows, groups] (level 0's
+    rounded to float16 as ggml stores it), s = the float32 sum of each group, sum(q) int32 [2, rows, groups]."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    groups = x.shape[1] // group
-    q = np.empty(x.shape, np.int8)
-    d, s = np.empty((x.shape[0], groups), np.float32), np.empty((x.shape[0], groups), np.float32)
-    qsum = np.empty((x.shape[0], groups), np.int32)
-    _quantize(x, group, q, d, s, qsum)
+    rows, groups = x.shape[0], x.shape[1] // group
+    q = np.empty((LEVELS, *x.shape), np.int8)
+    d, s = np.empty((LEVELS, rows, groups), np.float32), np.empty((rows, groups), np.float32)
+    qsum = np.empty((LEVELS, rows, groups), np.int32)
+    _quantize_two_levels(x, group, q, d, s, qsum)
     return q, d, s, qsum
 
 
@@ -342,3 +366,4 @@ def warm_up() -> None:
     m = Int8Matrix(np.ones(TILE * 32, np.uint8), np.ones(TILE, np.float32), np.ones(TILE, np.float32), 128,
                    TILE, 32, 32)
     matmul(np.ones((ROWS + 1, 32), np.float32), m)
+    quantize_rows(np.ones((1, 32), np.float32), 32)
