@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 TILE = 32           # outputs per tile: two 16-lane vectors
 LEVELS = 2         # 8-bit codings of each input: ggml's, then the same coding of what it leaves
 BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K))
-ROWS = 3            # input rows per micro-kernel call (4 spilled registers: 2 levels x 2 halves a row)
+ROWS = 3            # input rows a micro-kernel call: 4 rows x 2 levels x 2 halves ran out of vector registers
 
 
 def available() -> bool:
@@ -270,7 +270,7 @@ if available():
 
         return tile_rows
 
-    _tile_rows4 = _tile_kernel(ROWS, LEVELS)
+    _tile_rows_block = _tile_kernel(ROWS, LEVELS)
     _tile_rows1 = _tile_kernel(1, LEVELS)
 
     @njit(inline="always")
@@ -334,7 +334,7 @@ if available():
         full = rows // ROWS * ROWS
         for t in prange(out.shape[1] // TILE):
             for r0 in range(0, full, ROWS):
-                _tile_rows4(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group)
+                _tile_rows_block(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group)
             for r0 in range(full, rows):
                 _tile_rows1(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group)
 
