@@ -63,7 +63,10 @@ def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out
     block_size = k_cache.shape[2]
     group = n_heads // n_kv
     for task in prange(n_seqs * n_kv):
-        b = task // n_kv
+        # rows taken from both ends in turn (0, B-1, 1, B-2, ...): the threads get contiguous
+        # ranges of tasks, and a prompt chunk's rows grow in context from first to last
+        i = task // n_kv
+        b = i // 2 if i % 2 == 0 else n_seqs - 1 - i // 2
         kv = task % n_kv
         n = ctx[b]
         lo = 0
