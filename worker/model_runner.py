@@ -56,8 +56,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self._seqs: dict[int, _SeqState] = {}
         self.tokens_computed = 0
-        log.info("loaded %s (%s, %d layers) in %.1fs", self.gguf.path.name, self.config.architecture,
-                 self.config.n_layers, time.perf_counter() - t0)
+        log.info("loaded %s (%s, %d layers) in %.1fs; products: %s", self.gguf.path.name,
+                 self.config.architecture, self.config.n_layers, time.perf_counter() - t0,
+                 getattr(self.ops, "products", self.ops.name))
 
     # ------------------------------------------------------------------------
     def execute(self, request: StepRequest) -> StepResult:

@@ -73,6 +73,15 @@ class CPUBackend:
         computed alone (on 2 cores Gemma 3's mixed types made batched decode 4x slower)."""
         self.int8_matmul = self.int8_allowed and bool(ggml_types) and ggml_types <= int8_matmul.BYTE_CODE_TYPES
 
+    @property
+    def products(self) -> str:
+        """How this backend multiplies, for the worker's log."""
+        if self.int8_matmul:
+            return "8-bit integers (AVX-512 VNNI, TS_INT8_MATMUL=0 turns them off)"
+        if self.quantized_matmul:
+            return "float32 sgemm (OpenBLAS), quantized codes for passes of <= %d rows" % quantized.COMPILED_MAX_ROWS
+        return "float32 sgemm (OpenBLAS)"
+
     def begin_pass(self, num_tokens: int) -> None:
         """Decide once per forward whether its products and decode attention run compiled (numba's
         threads) or on OpenBLAS, by the pass's token count: the last layer's FFN sees fewer rows
