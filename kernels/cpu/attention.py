@@ -30,7 +30,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, met
     """`compiled`: decode rows may use the numba kernel (only in passes whose products run on
     numba's threads too, see kernels/cpu/quantized.py). `rowwise`: every causal row, prompt
     chunks' too, goes through that kernel alone, so that a row's result does not depend on the
-    rows packed with it (8-bit products round their input, and would magnify any difference);
+    rows packed with it (the products' 8-bit coding of their input can turn a 1e-7 difference
+    into another code);
     with the rounding of ggml's CPU backend and its f16 KV cache: queries and the softmax in
     float16 (the backend stores K/V rounded to float16 in these passes)."""
     if rowwise and meta.causal and decode_attention.available():
