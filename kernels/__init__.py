@@ -74,6 +74,9 @@ class Backend(Protocol):
         """A forward of `num_tokens` rows follows (or, from the runner before sampling, the logits
         product of that many rows): a backend may pick its kernels for the whole pass here (a
         no-op where that choice does not arise)."""
+    def run_forward(self, model: Any, inp: Any) -> Array:
+        """model.forward(inp) (worker/models): a backend may capture the pass's graph once per
+        shape and replay it compiled, as the CPU backend does for decode passes of a few rows."""
     def asarray(self, x: np.ndarray) -> Array: ...
     def to_numpy(self, x: Array) -> np.ndarray: ...
     def prepare_weight(self, w: np.ndarray, encoded: list[tuple[np.ndarray, int, tuple[int, int]]] | None = None

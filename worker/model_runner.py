@@ -77,7 +77,7 @@ class ModelRunner:
                 c.token_ids = np.array([state.last_sampled], np.int64)
         inp, score_rows = self._pack(chunks)
         self.ops.begin_pass(len(inp.token_ids))
-        hidden = self.model.forward(inp)
+        hidden = self.ops.run_forward(self.model, inp)
         results = [SeqResult(c.seq_id) for c in chunks]
 
         # rows of `hidden`: per chunk either its last token, or all of its tokens when scoring
@@ -104,7 +104,7 @@ class ModelRunner:
         when score_top_k is set), without sampling: for tests and debugging."""
         inp, _ = self._pack(chunks)
         self.ops.begin_pass(len(inp.token_ids))
-        return self.ops.to_numpy(self.model.logits(self.model.forward(inp)))
+        return self.ops.to_numpy(self.model.logits(self.ops.run_forward(self.model, inp)))
 
     def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
         bs = self.capacity.block_size

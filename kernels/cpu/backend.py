@@ -3,13 +3,14 @@ products over the GGUF's integer codes (8-bit integer products with AVX-512 VNNI
 kernels/cpu/int8_matmul.py; else float products of a few rows) and decode attention."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import attention, decode_attention, elementwise, int8_matmul, quantized
+from kernels.cpu import attention, decode_attention, elementwise, graph_capture, graph_replay, int8_matmul, quantized
 from kernels.cpu.int8_matmul import Int8Matrix
 from kernels.cpu.quantized import QuantizedMatrix
 from shared.dequant import dequantize_rows
@@ -20,6 +21,12 @@ from shared.dequant import dequantize_rows
 # 43 ms at 8 against 45-49 at 5-6 (OpenBLAS 0.3.31, 2 threads, AVX-512; padding 17-23
 # rows to 24 was slower, so it stops at 16).
 SGEMM_PADDED_ROWS = (5, 16)
+
+# Decode passes of at most this many rows replay their captured forward in one compiled call
+# (kernels/cpu/graph_capture.py); larger ones spend their time in the products, not between them.
+REPLAY_MAX_ROWS = 4
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,9 @@ class CPUBackend:
         self._compiled_pass: bool | None = None     # set by begin_pass; None: decided per call
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
         self._rope_rows_of: dict[tuple[float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # TS_GRAPH_REPLAY=0: every pass calls the kernels one at a time
+        self.graph_replay = _env_flag("TS_GRAPH_REPLAY") and graph_replay.available()
+        self._replays: dict[tuple[int, int, int], graph_replay.Replay | None] = {}
 
     def warm_up(self) -> None:
         """Compile the numba kernels now (a few seconds the first time, then from numba's cache)."""
@@ -66,6 +76,8 @@ class CPUBackend:
             decode_attention.warm_up()
         if self.int8_matmul:
             int8_matmul.warm_up()
+            if self.graph_replay:
+                graph_replay.warm_up()
 
     def plan_weights(self, ggml_types: set[int]) -> None:
         """8-bit products only for a model whose every matrix has byte codes: one matrix on
@@ -96,6 +108,33 @@ class CPUBackend:
         if self._compiled_pass is not None:
             return self._compiled_pass
         return self.quantized_matmul and rows <= quantized.COMPILED_MAX_ROWS
+
+    def run_forward(self, model, inp) -> np.ndarray:
+        """model.forward(inp), replayed from its captured program for decode passes of a few rows
+        when every product is in 8-bit integers (one compiled call instead of ~400)."""
+        replay = self._replay_for(model, inp)
+        if replay is not None:
+            out = replay.run(inp, self)
+            if out is not None:
+                return out
+            log.warning("numba's threads did not run the replayed decode pass together (threading layer %s): "
+                        "replays are off from now on", graph_replay.threading_layer())
+            self.graph_replay = False
+        return model.forward(inp)
+
+    def _replay_for(self, model, inp) -> graph_replay.Replay | None:
+        rows, meta = len(inp.token_ids), inp.attention
+        if not (self.graph_replay and self.int8_matmul and rows <= REPLAY_MAX_ROWS and meta.causal
+                and meta.all_decode and len(inp.output_rows) == rows):
+            return None
+        key = (id(model), rows, id(model.kv_caches[0][0]) if model.kv_caches else 0)
+        if key not in self._replays:
+            try:
+                self._replays[key] = graph_replay.Replay(graph_capture.capture(model, inp))
+            except graph_capture.Unsupported as e:
+                log.info("decode passes of %d rows run kernel by kernel: %s", rows, e)
+                self._replays[key] = None
+        return self._replays[key]
 
     # --- arrays -----------------------------------------------------------
     def asarray(self, x: np.ndarray) -> np.ndarray:
@@ -169,6 +208,11 @@ class CPUBackend:
             self._rope_rows_of[key] = held
         return held[1], held[2]
 
+    def rope_rows(self, positions: np.ndarray, base: float, n_dims: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin [len(positions), n_dims // 2] of the rotation angles, as `rope` uses them."""
+        cos_t, sin_t = self._rope_table(base, n_dims, int(positions.max(initial=0)))
+        return cos_t[positions], sin_t[positions]
+
     def rope(self, x: np.ndarray, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> np.ndarray:
         cos, sin = self._rope_rows(positions, base, n_dims)
         if neox:
@@ -198,6 +242,8 @@ class CPUBackend:
         return out
 
     def gelu_tanh_gate(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if elementwise.available():
+            return elementwise.gelu_tanh_gate(gate, up)
         # 0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 g^3))) * u
         inner = gate * gate
         inner *= 0.044715 * 0.7978845608028654

@@ -64,64 +64,70 @@ def _softmax_numerators(row, bits):  # pragma: no cover - numba
     return total
 
 
-def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
-    n_seqs, n_heads, dim = q.shape
-    n_kv = k_cache.shape[0]
+def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv):  # pragma: no cover - numba
+    """out[b, heads of KV head kv] for the query q[b] at position n - 1, reading its keys
+    and values through the block table `table` (int64 [max_blocks])."""
+    dim = q.shape[2]
+    group = out.shape[1] // k_cache.shape[0]       # q may hold more heads after out's (K's, in a replay)
     block_size = k_cache.shape[2]
-    group = n_heads // n_kv
+    lo = 0
+    if window > 0:
+        lo = max(0, n - window)          # keys k with p - window < k <= p, p = n - 1
+    span = n - lo
+    scores = np.empty((group, span), np.float32)
+    qs = np.empty((group, dim), np.float32)
+    for g in range(group):
+        for d in range(dim):
+            qs[g, d] = q[b, kv * group + g, d] * scale
+    first_block, end_block = lo // block_size, (n + block_size - 1) // block_size
+    for blk in range(first_block, end_block):     # one block's keys at a time: a [block_size, d] view
+        keys = k_cache[kv, table[blk]]
+        base = blk * block_size
+        for j in range(max(lo, base) - base, min(n, base + block_size) - base):
+            for g in range(group):
+                acc = np.float32(0.0)
+                for d in range(dim):
+                    acc += qs[g, d] * keys[j, d]
+                scores[g, base + j - lo] = acc
+    totals = np.empty(group, np.float32)
+    bits = np.empty(span, np.int32)
+    for g in range(group):
+        totals[g] = _softmax_numerators(scores[g], bits)
+        if half:
+            inv_total = np.float32(1.0) / totals[g]
+            for j in range(span):
+                scores[g, j] *= inv_total
+            round_to_half(scores[g])
+            totals[g] = np.float32(1.0)
+    acc_out = np.zeros((group, dim), np.float32)
+    for blk in range(first_block, end_block):
+        values = v_cache[kv, table[blk]]
+        base = blk * block_size
+        for g in range(group):
+            for j in range(max(lo, base) - base, min(n, base + block_size) - base):
+                w = scores[g, base + j - lo]
+                for d in range(dim):
+                    acc_out[g, d] += w * values[j, d]
+    for g in range(group):
+        inv = np.float32(1.0) / totals[g]
+        for d in range(dim):
+            out[b, kv * group + g, d] = acc_out[g, d] * inv
+
+
+def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
+    n_seqs = q.shape[0]
+    n_kv = k_cache.shape[0]
     for task in prange(n_seqs * n_kv):
         # rows taken from both ends in turn (0, B-1, 1, B-2, ...): the threads get contiguous
         # ranges of tasks, and a prompt chunk's rows grow in context from first to last
         i = task // n_kv
         b = i // 2 if i % 2 == 0 else n_seqs - 1 - i // 2
-        kv = task % n_kv
-        n = ctx[b]
-        lo = 0
-        if window > 0:
-            lo = max(0, n - window)          # keys k with p - window < k <= p, p = n - 1
-        span = n - lo
-        scores = np.empty((group, span), np.float32)
-        qs = np.empty((group, dim), np.float32)
-        for g in range(group):
-            for d in range(dim):
-                qs[g, d] = q[b, kv * group + g, d] * scale
-        first_block, end_block = lo // block_size, (n + block_size - 1) // block_size
-        for blk in range(first_block, end_block):     # one block's keys at a time: a [block_size, d] view
-            keys = k_cache[kv, tables[b, blk]]
-            base = blk * block_size
-            for j in range(max(lo, base) - base, min(n, base + block_size) - base):
-                for g in range(group):
-                    acc = np.float32(0.0)
-                    for d in range(dim):
-                        acc += qs[g, d] * keys[j, d]
-                    scores[g, base + j - lo] = acc
-        totals = np.empty(group, np.float32)
-        bits = np.empty(span, np.int32)
-        for g in range(group):
-            totals[g] = _softmax_numerators(scores[g], bits)
-            if half:
-                inv_total = np.float32(1.0) / totals[g]
-                for j in range(span):
-                    scores[g, j] *= inv_total
-                round_to_half(scores[g])
-                totals[g] = np.float32(1.0)
-        acc_out = np.zeros((group, dim), np.float32)
-        for blk in range(first_block, end_block):
-            values = v_cache[kv, tables[b, blk]]
-            base = blk * block_size
-            for g in range(group):
-                for j in range(max(lo, base) - base, min(n, base + block_size) - base):
-                    w = scores[g, base + j - lo]
-                    for d in range(dim):
-                        acc_out[g, d] += w * values[j, d]
-        for g in range(group):
-            inv = np.float32(1.0) / totals[g]
-            for d in range(dim):
-                out[b, kv * group + g, d] = acc_out[g, d] * inv
+        attend(q, k_cache, v_cache, tables[b], ctx[b], scale, window, half, out, b, task % n_kv)
 
 
 if available():
     _softmax_numerators = njit(fastmath=True, cache=True, nogil=True)(_softmax_numerators)
+    attend = njit(fastmath=True, cache=True, nogil=True)(attend)
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None
 # the same code under another name: numba's on-disk cache is keyed by the function's qualified
 # name, and the serial and parallel compilations must not load each other

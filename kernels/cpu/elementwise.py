@@ -5,7 +5,9 @@ operations (~33 us), compiled they take 0.7 ms a step instead of 2.0 (one
 sequence, AVX2, 2 cores). The sum of
 squares is accumulated in float64, as ggml's rms_norm does. exp is Cephes'
 expf written as loops LLVM vectorizes (numba's own exp is a libm call per
-element); it serves SwiGLU here and the softmax of decode attention.
+element); it serves SwiGLU and the tanh-GELU gate (as a logistic) here and the softmax of
+decode attention. The row functions are shared with the replayed decode passes of
+kernels/cpu/graph_replay.py, so both compute each row the same way.
 """
 from __future__ import annotations
 
@@ -35,6 +37,14 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up = gate * up / (1 + exp(-gate)), for [rows, n] halves of a fused projection."""
     out = np.empty(gate.shape, np.float32)
     _swiglu_kernel(gate, up, out, np.empty(gate.shape[-1], np.int32))
+    return out
+
+
+def gelu_tanh_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """tanh-GELU(gate) * up, for [..., n] halves of a fused projection."""
+    n = gate.shape[-1]
+    out = np.empty(gate.shape, np.float32)
+    _gelu_tanh_gate_kernel(gate.reshape(-1, n), up.reshape(-1, n), out.reshape(-1, n), np.empty(n, np.int32))
     return out
 
 
@@ -71,35 +81,63 @@ def round_to_half(values):  # pragma: no cover - compiled by numba
             raw[i] = (u + np.int32(0x0FFF) + ((u >> np.int32(13)) & np.int32(1))) & np.int32(-8192)
 
 
+def swiglu_row(gate, up, out, bits):  # pragma: no cover - compiled by numba
+    """out[:] = silu(gate) * up = gate * up / (1 + exp(-gate)) for one row."""
+    for j in range(out.shape[0]):
+        out[j] = -gate[j]
+    exp_shifted(out, np.float32(0.0), bits)
+    for j in range(out.shape[0]):
+        out[j] = gate[j] * up[j] / (np.float32(1.0) + out[j])
+
+
+def gelu_tanh_gate_row(gate, up, out, bits):  # pragma: no cover - compiled by numba
+    """out[:] = 0.5 g (1 + tanh(y)) * up with y = sqrt(2/pi) (g + 0.044715 g^3), computed as
+    g * up / (1 + exp(-2y)) (the same function: 0.5 (1 + tanh(y)) is the logistic of 2y)."""
+    for j in range(out.shape[0]):
+        g = gate[j]
+        out[j] = np.float32(-2.0 * 0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+    exp_shifted(out, np.float32(0.0), bits)
+    for j in range(out.shape[0]):
+        out[j] = gate[j] * up[j] / (np.float32(1.0) + out[j])
+
+
+def rms_norm_row(x, weight, eps, out):  # pragma: no cover - compiled by numba
+    """out[:] = x / sqrt(mean(x^2) + eps) * weight for one row, the sum of squares in float64."""
+    d = x.shape[0]
+    acc = 0.0
+    for j in range(d):
+        v = x[j]
+        acc += np.float64(v * v)
+    scale = np.float32(1.0 / np.sqrt(acc / d + eps))
+    for j in range(d):
+        out[j] = (x[j] * scale) * weight[j]
+
+
 def _swiglu_rows(gate, up, out, bits):  # pragma: no cover - compiled by numba
     for i in range(gate.shape[0]):
-        row = out[i]
-        for j in range(row.shape[0]):
-            row[j] = -gate[i, j]
-        exp_shifted(row, np.float32(0.0), bits)
-        for j in range(row.shape[0]):
-            row[j] = gate[i, j] * up[i, j] / (np.float32(1.0) + row[j])
+        swiglu_row(gate[i], up[i], out[i], bits)
+
+
+def _gelu_tanh_gate_rows(gate, up, out, bits):  # pragma: no cover - compiled by numba
+    for i in range(gate.shape[0]):
+        gelu_tanh_gate_row(gate[i], up[i], out[i], bits)
 
 
 def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled by numba
-    n_rows, d = x.shape
     n_weights = weight.shape[0]
-    for i in range(n_rows):
-        acc = 0.0
-        for j in range(d):
-            v = x[i, j]
-            acc += np.float64(v * v)
-        scale = np.float32(1.0 / np.sqrt(acc / d + eps))
-        w = weight[i % n_weights]
-        for j in range(d):
-            out[i, j] = (x[i, j] * scale) * w[j]
+    for i in range(x.shape[0]):
+        rms_norm_row(x[i], weight[i % n_weights], eps, out[i])
 
 
-_rms_norm_kernel = njit(fastmath=True, cache=True, nogil=True)(_rms_norm_rows) if available() else None
 if available():
     exp_shifted = njit(fastmath=True, cache=True, nogil=True)(exp_shifted)
     round_to_half = njit(cache=True, nogil=True)(round_to_half)
-_swiglu_kernel = njit(fastmath=True, cache=True, nogil=True)(_swiglu_rows) if available() else None
+    swiglu_row = njit(fastmath=True, cache=True, nogil=True)(swiglu_row)
+    gelu_tanh_gate_row = njit(fastmath=True, cache=True, nogil=True)(gelu_tanh_gate_row)
+    rms_norm_row = njit(fastmath=True, cache=True, nogil=True)(rms_norm_row)
+_rms_norm_kernel = njit(cache=True, nogil=True)(_rms_norm_rows) if available() else None
+_swiglu_kernel = njit(cache=True, nogil=True)(_swiglu_rows) if available() else None
+_gelu_tanh_gate_kernel = njit(cache=True, nogil=True)(_gelu_tanh_gate_rows) if available() else None
 
 
 def warm_up() -> None:
@@ -108,3 +146,4 @@ def warm_up() -> None:
         rms_norm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6)
         both = np.ones((1, 16), np.float32)
         swiglu(both[:, :8], both[:, 8:])
+        gelu_tanh_gate(both[:, :8], both[:, 8:])

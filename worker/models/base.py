@@ -1,7 +1,9 @@
 """What every architecture file provides, and the packed-batch input it runs on."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -26,6 +28,15 @@ class Model:
 
     def bind_kv(self, kv_caches: list[tuple[Array, Array]]) -> None:
         self.kv_caches = kv_caches
+
+    @contextlib.contextmanager
+    def using_ops(self, ops) -> Iterator[None]:
+        """Run `forward` against another backend for a while (a backend capturing the graph)."""
+        held, self.ops = self.ops, ops
+        try:
+            yield
+        finally:
+            self.ops = held
 
     def forward(self, inp: ForwardInput) -> Array:
         """Final normed hidden states of `inp.output_rows`, [len(output_rows), d_model]."""

@@ -1,0 +1,249 @@
+"""Replay of a captured forward (kernels/cpu/graph_capture.py) in one numba parallel region.
+
+Each of numba's threads walks the whole program. Products split their output
+tiles between the threads, attention its (row, KV head) tasks; both write
+buffers the threads share, and the threads meet (kernels/cpu/spin_barrier.py)
+before anything reads them. Every other operation (norms, RoPE, residual adds,
+gates) is cheap and computed by each thread for itself into its own arena,
+which needs no meeting at all. Each operation calls the same compiled row
+functions as the backend's kernels (the two-level input coding and VNNI tiles
+of int8_matmul, elementwise's rows, decode attention's task), so a replayed
+pass gives the numbers the ordinary kernels give.
+
+A buffer is written once per replay (programs are small: ~1 MB a row for
+SmolLM2), so no thread can overwrite what the other still reads.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels.cpu import decode_attention, elementwise, int8_matmul, spin_barrier
+from kernels.cpu.graph_capture import (ADD, ATTENTION, GELU_TANH_GATE, MATMUL, RMS_NORM, ROPE, SCALE, SHARED,
+                                       SWIGLU, Program)
+
+try:
+    import numba
+    from numba import njit, prange
+    from numba.typed import List
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    njit = None
+
+
+def available() -> bool:
+    return njit is not None and int8_matmul.available()
+
+
+if available():
+    _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
+    _quantize, _ROWS = int8_matmul._quantize_two_levels, int8_matmul.ROWS
+    _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
+    _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
+    _gelu_row = elementwise.gelu_tanh_gate_row
+
+    @njit(inline="always")
+    def _row(values, v, r, shared, own):  # pragma: no cover - compiled
+        start = values[v, 1] + r * values[v, 2] + values[v, 3]
+        if values[v, 0] == SHARED:
+            return shared[start:start + values[v, 4]]
+        return own[start:start + values[v, 4]]
+
+    @njit(inline="always")
+    def _whole(values, v, rows, shared, own):  # pragma: no cover - compiled
+        """The buffer under value v, [rows * row stride]."""
+        start = values[v, 1]
+        if values[v, 0] == SHARED:
+            return shared[start:start + rows * values[v, 2]]
+        return own[start:start + rows * values[v, 2]]
+
+    @njit(inline="always")
+    def _matmul(i, ops, values, rows, th, n_threads, shared, own, codes, scales, offsets, layout,
+                x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s):  # pragma: no cover - compiled
+        w = ops[i, 5]
+        bias, group, n_tiles, k_in = layout[w, 0], layout[w, 1], layout[w, 2], layout[w, 3]
+        groups = k_in // group
+        x = x_s[th, :rows * k_in].reshape((rows, k_in))
+        for r in range(rows):
+            src = _row(values, ops[i, 2], r, shared, own)
+            for j in range(k_in):
+                x[r, j] = src[j]
+        qx = qx_s[th, :2 * rows * k_in].reshape((2, rows, k_in))
+        dx = dx_s[th, :2 * rows * groups].reshape((2, rows, groups))
+        sx = sx_s[th, :rows * groups].reshape((rows, groups))
+        qsum = qsum_s[th, :2 * rows * groups].reshape((2, rows, groups))
+        qbias = qbias_s[th, :2 * rows * groups].reshape((2, rows, groups))
+        _quantize(x, group, qx, dx, sx, qsum)
+        for lv in range(2):
+            for r in range(rows):
+                for g in range(groups):
+                    qbias[lv, r, g] = qsum[lv, r, g] * np.int32(bias)
+        dst = ops[i, 1]
+        out = shared[values[dst, 1]:values[dst, 1] + rows * values[dst, 2]].reshape((rows, values[dst, 2]))
+        full = rows // _ROWS * _ROWS
+        w_codes, w_scale, w_offset = codes[w], scales[w], offsets[w]     # typed-list reads are slow: once
+        for t in range(n_tiles * th // n_threads, n_tiles * (th + 1) // n_threads):
+            for r0 in range(0, full, _ROWS):
+                _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
+            for r0 in range(full, rows):
+                _tile_one(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
+
+    @njit(inline="always")
+    def _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
+                   slots):  # pragma: no cover - compiled
+        """Store each row's K/V (rounded to float16, as the backend's f16 cache holds them) and
+        attend, with the queries rounded to float16 too, as the rowwise kernels do."""
+        dst, q_v, k_v, v_v = ops[i, 1], ops[i, 2], ops[i, 3], ops[i, 4]
+        k_cache, v_cache = caches[2 * ops[i, 5]], caches[2 * ops[i, 5] + 1]
+        n_kv, block_size, dim = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
+        q = _whole(values, q_v, rows, shared, own).reshape((rows, values[q_v, 2] // dim, dim))
+        out = _whole(values, dst, rows, shared, own).reshape((rows, values[dst, 2] // dim, dim))
+        group = out.shape[1] // n_kv
+        tasks = rows * n_kv
+        for task in range(tasks * th // n_threads, tasks * (th + 1) // n_threads):
+            b, kv = task // n_kv, task % n_kv
+            block, offset = slots[b] // block_size, slots[b] % block_size
+            k_row, v_row = _row(values, k_v, b, shared, own), _row(values, v_v, b, shared, own)
+            k_dst, v_dst = k_cache[kv, block, offset], v_cache[kv, block, offset]
+            for j in range(dim):
+                k_dst[j] = k_row[kv * dim + j]
+                v_dst[j] = v_row[kv * dim + j]
+            _round_to_half(k_dst)
+            _round_to_half(v_dst)
+            for g in range(group):
+                _round_to_half(q[b, kv * group + g])
+            _attend(q, k_cache, v_cache, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out, b, kv)
+
+    @njit(inline="always")
+    def _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin):  # pragma: no cover - compiled
+        base, n_dims, neox, head_dim = ops[i, 5], ops[i, 6], ops[i, 7], ops[i, 8]
+        half = n_dims // 2
+        for r in range(rows):
+            src, dst = _row(values, ops[i, 2], r, shared, own), _row(values, ops[i, 1], r, shared, own)
+            cos, sin = rope_cos[base, r], rope_sin[base, r]
+            for h in range(src.shape[0] // head_dim):
+                at = h * head_dim
+                for j in range(half):
+                    i0 = at + j if neox else at + 2 * j
+                    i1 = i0 + half if neox else i0 + 1
+                    x0, x1 = src[i0], src[i1]
+                    dst[i0] = x0 * cos[j] - x1 * sin[j]
+                    dst[i1] = x0 * sin[j] + x1 * cos[j]
+                for j in range(n_dims, head_dim):
+                    dst[at + j] = src[at + j]
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _replay(ops, params, values, rows, n_threads, shared, private, sync, codes, scales, offsets, layout,
+                norms, caches, rope_cos, rope_sin, tables, ctx, slots,
+                x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s):  # pragma: no cover - compiled
+        for th in prange(n_threads):
+            own = private[th]
+            bits = bits_s[th]
+            met = 0
+            for i in range(ops.shape[0]):
+                code, dst, a, b = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
+                if code == MATMUL:
+                    _matmul(i, ops, values, rows, th, n_threads, shared, own, codes, scales, offsets, layout,
+                            x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s)
+                    met += 1
+                    if not _meet(sync, n_threads, met):
+                        break
+                elif code == ATTENTION:
+                    _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
+                               slots)
+                    met += 1
+                    if not _meet(sync, n_threads, met):
+                        break
+                elif code == ROPE:
+                    _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin)
+                elif code == RMS_NORM:
+                    weight, d = norms[ops[i, 5]], ops[i, 6]
+                    for r in range(rows):
+                        src, out = _row(values, a, r, shared, own), _row(values, dst, r, shared, own)
+                        for h in range(src.shape[0] // d):
+                            _rms_norm_row(src[h * d:(h + 1) * d], weight[h % weight.shape[0]], params[i, 0],
+                                          out[h * d:(h + 1) * d])
+                else:
+                    for r in range(rows):
+                        src, out = _row(values, a, r, shared, own), _row(values, dst, r, shared, own)
+                        if code == SCALE:
+                            factor = np.float32(params[i, 0])
+                            for j in range(out.shape[0]):
+                                out[j] = src[j] * factor
+                        elif code == ADD:
+                            other = _row(values, b, r, shared, own)
+                            for j in range(out.shape[0]):
+                                out[j] = src[j] + other[j]
+                        elif code == SWIGLU:
+                            _swiglu_row(src, _row(values, b, r, shared, own), out, bits)
+                        elif code == GELU_TANH_GATE:
+                            _gelu_row(src, _row(values, b, r, shared, own), out, bits)
+
+
+class Replay:
+    """A captured program with the buffers and weight lists its replays use."""
+
+    def __init__(self, program: Program):
+        p = self.program = program
+        self.n_threads = numba.get_num_threads()
+        rows, n = p.rows, self.n_threads
+        self.shared = np.zeros(p.shared_size, np.float32)
+        self.private = np.zeros((n, p.private_size), np.float32)
+        self.sync = np.zeros(3, np.int64)
+        self.spin_limit = spin_barrier.SPIN_LIMIT
+        k, groups = p.max_in_features, p.max_groups
+        self.scratch = (np.zeros((n, rows * k), np.float32), np.zeros((n, 2 * rows * k), np.int8),
+                        np.zeros((n, 2 * rows * groups), np.float32), np.zeros((n, rows * groups), np.float32),
+                        np.zeros((n, 2 * rows * groups), np.int32), np.zeros((n, 2 * rows * groups), np.int32),
+                        np.zeros((n, int(p.values[:, 4].max())), np.int32))
+        self.codes = List([m.codes for m in p.matrices])
+        self.scales = List([m.scale for m in p.matrices])
+        self.offsets = List([m.offset for m in p.matrices])
+        self.layout = np.array([(m.bias, m.group, m.n_tiles, m.in_features) for m in p.matrices], np.int64)
+        self.norms = List(p.norms)
+        self.caches = List(p.caches)
+
+    def run(self, inp, backend) -> np.ndarray | None:
+        """The forward's result for `inp`, or None when the threads could not meet (the caller then
+        runs the ordinary kernels, which write the same K/V again)."""
+        p = self.program
+        rows = p.rows
+        start, width = int(p.values[0, 1]), int(p.values[0, 4])
+        self.shared[start:start + rows * width] = backend.embedding(p.embedding, inp.token_ids).reshape(-1)
+        cos, sin = zip(*(backend.rope_rows(inp.positions, base, n_dims) for base, n_dims in p.rope_bases))
+        meta = inp.attention
+        self.sync[:] = (0, 0, self.spin_limit)
+        _replay(p.ops, p.params, p.values, rows, self.n_threads, self.shared, self.private, self.sync,
+                self.codes, self.scales, self.offsets, self.layout, self.norms, self.caches,
+                np.ascontiguousarray(np.stack(cos)), np.ascontiguousarray(np.stack(sin)),
+                np.ascontiguousarray(meta.block_tables, dtype=np.int64),
+                np.ascontiguousarray(meta.context_lens, dtype=np.int64),
+                np.ascontiguousarray(meta.slot_mapping, dtype=np.int64), *self.scratch)
+        if self.sync[1]:
+            return None
+        space, offset, stride, col0, width = (int(v) for v in p.values[p.output])
+        arena = self.shared if space == SHARED else self.private[0]
+        out = arena[offset:offset + rows * stride].reshape(rows, stride)[:, col0:col0 + width]
+        return out.copy().reshape(p.output_shape)
+
+
+def threading_layer() -> str:
+    try:
+        return numba.threading_layer()
+    except ValueError:          # no parallel region has run yet
+        return "unknown"
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the replay kernel on a one-operation program."""
+    if not available():
+        return
+    from kernels.cpu.graph_capture import PRIVATE
+    ops = np.array([[SCALE, 1, 0, 0, 0, 0, 0, 0, 0]], np.int64)
+    values = np.array([[SHARED, 0, 16, 0, 16], [PRIVATE, 0, 16, 0, 16]], np.int64)
+    n = numba.get_num_threads()
+    empty_f, empty_i = np.zeros((n, 16), np.float32), np.zeros((n, 16), np.int32)
+    _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32),
+            np.array([0, 0, spin_barrier.SPIN_LIMIT], np.int64), List([np.zeros(16, np.uint8)]), List([np.zeros(1, np.float32)]),
+            List([np.zeros(1, np.float32)]), np.zeros((1, 4), np.int64), List([np.ones((1, 16), np.float32)]),
+            List([np.zeros((1, 1, 16, 16), np.float32)]), np.zeros((1, 1, 8), np.float32),
+            np.zeros((1, 1, 8), np.float32), np.zeros((1, 1), np.int64), np.ones(1, np.int64),
+            np.zeros(1, np.int64), empty_f, np.zeros((n, 16), np.int8), empty_f, empty_f, empty_i, empty_i, empty_i)

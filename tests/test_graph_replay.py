@@ -1,0 +1,132 @@
+"""Decode passes replayed from a captured program (kernels/cpu/graph_capture.py, graph_replay.py)
+give the logits and K/V of the same pass run kernel by kernel, bit for bit."""
+import logging
+
+import numpy as np
+import pytest
+
+from conftest import MODELS, load_fixture
+from kernels.cpu import graph_capture, graph_replay
+from kernels.cpu.graph_capture import ATTENTION, MATMUL, Unsupported
+from shared.step import SeqChunk
+
+pytestmark = pytest.mark.skipif(not graph_replay.available(), reason="needs numba and a CPU with AVX-512 VNNI")
+
+
+def prefill(runner, seq_id, tokens, first_block):
+    """Prompt `tokens` into fresh blocks from `first_block` (kernel by kernel); returns the table."""
+    bs = runner.capacity.block_size
+    table = np.arange(first_block, first_block + -(-(len(tokens) + 8) // bs), dtype=np.int32)
+    runner.forward_logits([SeqChunk(seq_id, np.asarray(tokens, np.int64), 0, table, len(tokens), sample=False)])
+    return table
+
+
+def decode_chunks(sequences, step):
+    return [SeqChunk(seq_id, np.array([token + step], np.int64), len(prompt) + step, table, len(prompt),
+                     sample=False)
+            for seq_id, prompt, table, token in sequences]
+
+
+def kv_rows(runner, table, start, n):
+    """Every layer's K and V at positions [start, start + n) of one block table."""
+    bs = runner.capacity.block_size
+    pos = np.arange(start, start + n)
+    return [c[:, table[pos // bs], pos % bs].copy() for pair in runner.model.kv_caches for c in pair]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_replayed_decode_steps_equal_the_kernels(model, rows, engines):
+    runner = engines(model).runner
+    ops = runner.ops
+    if not ops.int8_matmul:
+        pytest.skip("the model's products are not in 8-bit integers here")
+    prompts = [c["prompt_tokens"] for c in load_fixture(model)["generate"][:rows]]
+    tables = [prefill(runner, 900 + i, p, 1 + 200 * i) for i, p in enumerate(prompts)]
+    sequences = [(900 + i, p, t, 1000 + 7 * i) for i, (p, t) in enumerate(zip(prompts, tables))]
+    for step in range(3):                    # several steps: each reads the K/V the last one stored
+        chunks = decode_chunks(sequences, step)
+        ops.graph_replay = True
+        replayed = runner.forward_logits(chunks)
+        replayed_kv = [kv_rows(runner, t, len(p) + step, 1) for _, p, t, _ in sequences]
+        assert ops._replays, "the pass was not replayed"
+        ops.graph_replay = False
+        plain = runner.forward_logits(decode_chunks(sequences, step))    # rewrites the same K/V
+        ops.graph_replay = True
+        np.testing.assert_array_equal(replayed, plain)
+        for (_, p, t, _), kv in zip(sequences, replayed_kv):
+            for got, want in zip(kv, kv_rows(runner, t, len(p) + step, 1)):
+                np.testing.assert_array_equal(got, want)
+
+
+def test_gemma_window_is_kept_in_replays(engines):
+    """A decode at position > 512 on Gemma 3's sliding-window layers sees the last 512 keys only."""
+    runner = engines("gemma3-270m").runner
+    if not runner.ops.int8_matmul:
+        pytest.skip("the model's products are not in 8-bit integers here")
+    prompt = list(np.random.default_rng(3).integers(1000, 20000, 530))
+    table = prefill(runner, 950, prompt, 300)
+    chunks = lambda: decode_chunks([(950, prompt, table, 1234)], 0)   # noqa: E731
+    runner.ops.graph_replay = True
+    replayed = runner.forward_logits(chunks())
+    runner.ops.graph_replay = False
+    plain = runner.forward_logits(chunks())
+    runner.ops.graph_replay = True
+    np.testing.assert_array_equal(replayed, plain)
+
+
+def test_capture_of_smollm2_holds_every_layer(engines):
+    runner = engines("smollm2-135m").runner
+    if not runner.ops.int8_matmul:
+        pytest.skip("the model's products are not in 8-bit integers here")
+    chunk = decode_chunks([(990, [5] * 20, np.arange(500, 503, dtype=np.int32), 7)], 0)[0]
+    chunk.prefix_ids = np.full(20, 5, np.int64)
+    inp, _ = runner._pack([chunk])
+    program = graph_capture.capture(runner.model, inp)
+    layers = runner.config.n_layers
+    assert (program.ops[:, 0] == MATMUL).sum() == 4 * layers      # Q|K|V, output, gate|up, down
+    assert (program.ops[:, 0] == ATTENTION).sum() == layers
+    assert len(program.matrices) == 4 * layers and len(program.caches) == 2 * layers
+    assert program.output_shape == (1, runner.config.d_model)
+
+
+def test_what_a_capture_cannot_replay_is_refused():
+    rec = graph_capture.GraphRecorder(2, [])
+    x = rec.buffer(graph_capture.SHARED, (2, 8))
+    assert x[np.arange(2)] is x                       # every row: the identity
+    with pytest.raises(Unsupported):
+        x[np.array([1])]                              # some rows: not replayable
+    with pytest.raises(Unsupported):
+        x.reshape(1, 16)                              # mixes rows
+    with pytest.raises(Unsupported):
+        x * np.ones(8, np.float32)                    # only scalars scale
+    with pytest.raises(Unsupported):
+        rec.matmul(x, object())                       # a matrix without 8-bit codes
+
+
+def test_threads_that_cannot_meet_fall_back_to_the_kernels(engines, monkeypatch, caplog):
+    """A replay planned for one thread more than numba runs: two of its iterations share a thread,
+    the first waits at the barrier for the second, gives up, and the pass runs kernel by kernel
+    with the same result; replays then stay off."""
+    runner = engines("smollm2-135m").runner
+    ops = runner.ops
+    if not ops.int8_matmul:
+        pytest.skip("the model's products are not in 8-bit integers here")
+    prompt = load_fixture("smollm2-135m")["generate"][0]["prompt_tokens"]
+    table = prefill(runner, 980, prompt, 650)
+    sequences = [(980, prompt, table, 4321)]
+    ops.graph_replay = True
+    expected = runner.forward_logits(decode_chunks(sequences, 0))
+    key, replay = next((k, r) for k, r in ops._replays.items() if k[1] == 1 and r is not None)
+    threads = graph_replay.numba.get_num_threads()
+    monkeypatch.setattr(graph_replay.numba, "get_num_threads", lambda: threads + 1)
+    oversubscribed = graph_replay.Replay(replay.program)
+    oversubscribed.spin_limit = 20_000
+    monkeypatch.setitem(ops._replays, key, oversubscribed)
+    try:
+        with caplog.at_level(logging.WARNING):
+            got = runner.forward_logits(decode_chunks(sequences, 0))
+        assert not ops.graph_replay and "replays are off" in caplog.text
+        np.testing.assert_array_equal(got, expected)
+    finally:
+        ops.graph_replay = True
