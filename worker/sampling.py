@@ -32,6 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kernels.cpu import elementwise
 from shared.sampling_params import SamplingParams
 
 __all__ = [
@@ -91,8 +92,11 @@ def _row_logsumexp(logits: np.ndarray) -> np.ndarray:
         if bad.any():
             i = s + int(np.flatnonzero(bad)[0])
             raise ValueError(f"logits row {i} has no finite maximum (NaN or all -inf/+inf)")
-        e = np.exp(blk - m[:, None])
-        out[s:s + step] = m.astype(np.float64) + np.log(e.sum(axis=1, dtype=np.float64))
+        if elementwise.available():
+            total = elementwise.exp_sums(blk, m)
+        else:
+            total = np.exp(blk - m[:, None]).sum(axis=1, dtype=np.float64)
+        out[s:s + step] = m.astype(np.float64) + np.log(total)
     return out
 
 
@@ -250,9 +254,11 @@ class Sampler:
 
         token_ids = np.empty(n, dtype=np.int64)
         greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=n)
-        if greedy.any():
+        if greedy.all():
+            token_ids[:] = np.argmax(work, axis=1)     # first max => lowest id
+        elif greedy.any():
             g = np.flatnonzero(greedy)
-            token_ids[g] = np.argmax(work[g], axis=1)  # first max => lowest id
+            token_ids[g] = np.argmax(work[g], axis=1)
 
         for i in np.flatnonzero(~greedy):
             p = params[i]

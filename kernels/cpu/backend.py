@@ -3,6 +3,7 @@ products over the GGUF's integer codes (8-bit integer products with AVX-512 VNNI
 kernels/cpu/int8_matmul.py; else float products of a few rows) and decode attention."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import numpy as np
 
 from kernels import AttentionMetadata
 from kernels.cpu import attention, decode_attention, elementwise, graph_capture, graph_replay, int8_matmul, quantized
+from kernels.cpu.arena import HugePageArena
 from kernels.cpu.int8_matmul import Int8Matrix
 from kernels.cpu.quantized import QuantizedMatrix
 from shared.dequant import dequantize_rows
@@ -67,6 +69,7 @@ class CPUBackend:
         # TS_GRAPH_REPLAY=0: every pass calls the kernels one at a time
         self.graph_replay = _env_flag("TS_GRAPH_REPLAY") and graph_replay.available()
         self._replays: dict[tuple[int, int, int], graph_replay.Replay | None] = {}
+        self._arena = HugePageArena()
 
     def warm_up(self) -> None:
         """Compile the numba kernels now (a few seconds the first time, then from numba's cache)."""
@@ -151,7 +154,9 @@ class CPUBackend:
         # equal on single rows (loadtest measurements, docs/BENCHMARKS.md).
         int8 = int8_matmul.from_parts(encoded, w) if encoded and self.int8_matmul else None
         if int8 is not None:        # the 8-bit kernel takes every product: no float32 copy kept
-            return Linear(None, None, int8)
+            place = self._arena.place
+            return Linear(None, None, dataclasses.replace(int8, codes=place(int8.codes), scale=place(int8.scale),
+                                                          offset=place(int8.offset)))
         codes = quantized.quantize_parts(encoded, w) if encoded and self.quantized_matmul else None
         return Linear(np.ascontiguousarray(w.T, dtype=np.float32), codes)
 

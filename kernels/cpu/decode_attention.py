@@ -64,11 +64,13 @@ def _softmax_numerators(row, bits):  # pragma: no cover - numba
     return total
 
 
-def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv):  # pragma: no cover - numba
-    """out[b, heads of KV head kv] for the query q[b] at position n - 1, reading its keys
-    and values through the block table `table` (int64 [max_blocks])."""
+def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g1):  # pragma: no cover - numba
+    """out[b, h] for the query heads h = kv * (heads per KV head) + g, g0 <= g < g1, the query q[b]
+    at position n - 1, reading its keys and values through the block table `table` (int64
+    [max_blocks]). Each head is computed alone: which heads share a call does not change it."""
     dim = q.shape[2]
-    group = out.shape[1] // k_cache.shape[0]       # q may hold more heads after out's (K's, in a replay)
+    first_head = kv * (out.shape[1] // k_cache.shape[0]) + g0   # q may hold more heads after out's (K's)
+    group = g1 - g0
     block_size = k_cache.shape[2]
     lo = 0
     if window > 0:
@@ -78,7 +80,7 @@ def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv):  # p
     qs = np.empty((group, dim), np.float32)
     for g in range(group):
         for d in range(dim):
-            qs[g, d] = q[b, kv * group + g, d] * scale
+            qs[g, d] = q[b, first_head + g, d] * scale
     first_block, end_block = lo // block_size, (n + block_size - 1) // block_size
     for blk in range(first_block, end_block):     # one block's keys at a time: a [block_size, d] view
         keys = k_cache[kv, table[blk]]
@@ -111,7 +113,7 @@ def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv):  # p
     for g in range(group):
         inv = np.float32(1.0) / totals[g]
         for d in range(dim):
-            out[b, kv * group + g, d] = acc_out[g, d] * inv
+            out[b, first_head + g, d] = acc_out[g, d] * inv
 
 
 def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
@@ -122,7 +124,8 @@ def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out
         # ranges of tasks, and a prompt chunk's rows grow in context from first to last
         i = task // n_kv
         b = i // 2 if i % 2 == 0 else n_seqs - 1 - i // 2
-        attend(q, k_cache, v_cache, tables[b], ctx[b], scale, window, half, out, b, task % n_kv)
+        attend(q, k_cache, v_cache, tables[b], ctx[b], scale, window, half, out, b, task % n_kv, 0,
+               q.shape[1] // n_kv)
 
 
 if available():

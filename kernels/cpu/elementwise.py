@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from numba import njit
+    from numba import njit, prange
 except ImportError:  # pragma: no cover - exercised only where numba is missing
-    njit = None
+    njit = prange = None
 
 
 def available() -> bool:
@@ -45,6 +45,15 @@ def gelu_tanh_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     n = gate.shape[-1]
     out = np.empty(gate.shape, np.float32)
     _gelu_tanh_gate_kernel(gate.reshape(-1, n), up.reshape(-1, n), out.reshape(-1, n), np.empty(n, np.int32))
+    return out
+
+
+def exp_sums(logits: np.ndarray, shifts: np.ndarray) -> np.ndarray:
+    """float64 sum(exp(row - shift)) of each row of a float32 [n, V] array, the row's chunks on
+    numba's threads (the sampler's log-sum-exp over Gemma 3's 262144 logits: ~0.3 ms in numpy)."""
+    out = np.empty(logits.shape[0], np.float64)
+    for i in range(logits.shape[0]):
+        out[i] = _exp_sum_kernel(logits[i], np.float32(shifts[i]))
     return out
 
 
@@ -137,6 +146,21 @@ if available():
     rms_norm_row = njit(fastmath=True, cache=True, nogil=True)(rms_norm_row)
 _rms_norm_kernel = njit(cache=True, nogil=True)(_rms_norm_rows) if available() else None
 _swiglu_kernel = njit(cache=True, nogil=True)(_swiglu_rows) if available() else None
+
+
+def _exp_sum(row, shift):  # pragma: no cover - compiled by numba
+    total = 0.0
+    for c in prange(-(-row.shape[0] // 4096)):
+        part = row[c * 4096:(c + 1) * 4096].copy()
+        exp_shifted(part, shift, np.empty(part.shape[0], np.int32))
+        chunk_total = 0.0
+        for j in range(part.shape[0]):
+            chunk_total += np.float64(part[j])
+        total += chunk_total
+    return total
+
+
+_exp_sum_kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_exp_sum) if available() else None
 _gelu_tanh_gate_kernel = njit(cache=True, nogil=True)(_gelu_tanh_gate_rows) if available() else None
 
 
@@ -147,3 +171,4 @@ def warm_up() -> None:
         both = np.ones((1, 16), np.float32)
         swiglu(both[:, :8], both[:, 8:])
         gelu_tanh_gate(both[:, :8], both[:, 8:])
+        exp_sums(both, np.zeros(1))

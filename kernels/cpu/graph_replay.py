@@ -87,30 +87,44 @@ if available():
                 _tile_one(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
 
     @njit(inline="always")
+    def _store_half(src, dst, scratch):  # pragma: no cover - compiled
+        """dst[:] = src rounded to float16, written once with its final values."""
+        scratch[:] = src
+        _round_to_half(scratch)
+        dst[:] = scratch
+
+    @njit(inline="always")
     def _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                   slots):  # pragma: no cover - compiled
-        """Store each row's K/V (rounded to float16, as the backend's f16 cache holds them) and
-        attend, with the queries rounded to float16 too, as the rowwise kernels do."""
+                   slots, scratch):  # pragma: no cover - compiled
+        """Each thread takes a contiguous share of the (row, query head) pairs (split by KV heads,
+        one thread did all of Gemma 3's attention: it has one) and stores the K/V its heads need,
+        rounded to float16 as the backend's f16 cache holds them (a KV head split between the
+        threads is stored by both, each writing only the final values); the queries are rounded
+        to float16 too, as the rowwise kernels do."""
         dst, q_v, k_v, v_v = ops[i, 1], ops[i, 2], ops[i, 3], ops[i, 4]
         k_cache, v_cache = caches[2 * ops[i, 5]], caches[2 * ops[i, 5] + 1]
         n_kv, block_size, dim = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
         q = _whole(values, q_v, rows, shared, own).reshape((rows, values[q_v, 2] // dim, dim))
         out = _whole(values, dst, rows, shared, own).reshape((rows, values[dst, 2] // dim, dim))
-        group = out.shape[1] // n_kv
-        tasks = rows * n_kv
-        for task in range(tasks * th // n_threads, tasks * (th + 1) // n_threads):
-            b, kv = task // n_kv, task % n_kv
+        n_heads = out.shape[1]
+        group = n_heads // n_kv
+        task, end = rows * n_heads * th // n_threads, rows * n_heads * (th + 1) // n_threads
+        while task < end:
+            b, h = task // n_heads, task % n_heads
+            kv = h // group
+            run_end = min(end, b * n_heads + (kv + 1) * group)      # this KV head's heads in row b
             block, offset = slots[b] // block_size, slots[b] % block_size
-            k_row, v_row = _row(values, k_v, b, shared, own), _row(values, v_v, b, shared, own)
-            k_dst, v_dst = k_cache[kv, block, offset], v_cache[kv, block, offset]
-            for j in range(dim):
-                k_dst[j] = k_row[kv * dim + j]
-                v_dst[j] = v_row[kv * dim + j]
-            _round_to_half(k_dst)
-            _round_to_half(v_dst)
-            for g in range(group):
+            _store_half(_row(values, k_v, b, shared, own)[kv * dim:(kv + 1) * dim], k_cache[kv, block, offset],
+                        scratch[:dim])
+            _store_half(_row(values, v_v, b, shared, own)[kv * dim:(kv + 1) * dim], v_cache[kv, block, offset],
+                        scratch[:dim])
+            g0 = h - kv * group
+            g1 = g0 + run_end - task
+            for g in range(g0, g1):
                 _round_to_half(q[b, kv * group + g])
-            _attend(q, k_cache, v_cache, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out, b, kv)
+            _attend(q, k_cache, v_cache, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out, b,
+                    kv, g0, g1)
+            task = run_end
 
     @njit(inline="always")
     def _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin):  # pragma: no cover - compiled
@@ -137,6 +151,7 @@ if available():
         for th in prange(n_threads):
             own = private[th]
             bits = bits_s[th]
+            scratch = x_s[th]
             met = 0
             for i in range(ops.shape[0]):
                 code, dst, a, b = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
@@ -148,7 +163,7 @@ if available():
                         break
                 elif code == ATTENTION:
                     _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                               slots)
+                               slots, scratch)
                     met += 1
                     if not _meet(sync, n_threads, met):
                         break
