@@ -1,13 +1,13 @@
 """Forward-pass benchmark of the in-process engine on the bundled models.
 
 Prints, per model: prefill tok/s (one 512-token prompt, best of 3), single-sequence
-decode tok/s (64 tokens after a 16-token prompt, median of 3 sequences), decode tok/s with 32 sequences in one batch, the memory-bandwidth bounds
-on single-sequence decode (weight bytes one token reads, over the bandwidth
-measured here: in the form the decode step reads them, i.e. the integer codes
-of kernels/cpu/quantized.py, and as float32), and peak resident memory. Each model runs in its own
-subprocess so peak memory is its own. With --peer-python (a venv that has
-llama-cpp-python) it runs loadtest/peer_llamacpp.py on the same GGUF files in
-the same run and prints the ratios.
+decode tok/s (64 tokens after a 16-token prompt, median of 3 sequences), decode tok/s
+with 32 sequences in one batch, the memory-bandwidth bounds on single-sequence decode
+(weight bytes one token reads, over the bandwidth measured here: in the form the decode
+step reads them, i.e. the integer codes of kernels/cpu/int8_matmul.py or quantized.py,
+and as float32), and peak resident memory. Each model runs in its own subprocess so
+peak memory is its own. With --peer-python (a venv that has llama-cpp-python) it runs
+loadtest/peer_llamacpp.py on the same GGUF files in the same run and prints the ratios.
 
     python loadtest/bench_forward.py [--models smollm2-135m gemma3-270m] [--json]
                                      [--peer-python /path/to/peer-venv/bin/python]

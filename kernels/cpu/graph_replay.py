@@ -248,17 +248,20 @@ def threading_layer() -> str:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the replay kernel on a one-operation program."""
+    """Compile (or load from numba's cache) the replay kernel on a one-operation program (every
+    typed list holds one placeholder: numba types a list by its items)."""
     if not available():
         return
     from kernels.cpu.graph_capture import PRIVATE
+    n = numba.get_num_threads()
     ops = np.array([[SCALE, 1, 0, 0, 0, 0, 0, 0, 0]], np.int64)
     values = np.array([[SHARED, 0, 16, 0, 16], [PRIVATE, 0, 16, 0, 16]], np.int64)
-    n = numba.get_num_threads()
-    empty_f, empty_i = np.zeros((n, 16), np.float32), np.zeros((n, 16), np.int32)
+    f32, i32 = np.zeros((n, 16), np.float32), np.zeros((n, 16), np.int32)
+    weights = (List([np.zeros(16, np.uint8)]), List([np.zeros(1, np.float32)]), List([np.zeros(1, np.float32)]),
+               np.zeros((1, 4), np.int64))
+    norms, caches = List([np.ones((1, 16), np.float32)]), List([np.zeros((1, 1, 16, 16), np.float32)])
+    rope = (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 8), np.float32))
+    attention = (np.zeros((1, 1), np.int64), np.ones(1, np.int64), np.zeros(1, np.int64))
+    scratch = (f32, np.zeros((n, 16), np.int8), f32, f32, i32, i32, i32)
     _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32),
-            np.array([0, 0, spin_barrier.SPIN_LIMIT], np.int64), List([np.zeros(16, np.uint8)]), List([np.zeros(1, np.float32)]),
-            List([np.zeros(1, np.float32)]), np.zeros((1, 4), np.int64), List([np.ones((1, 16), np.float32)]),
-            List([np.zeros((1, 1, 16, 16), np.float32)]), np.zeros((1, 1, 8), np.float32),
-            np.zeros((1, 1, 8), np.float32), np.zeros((1, 1), np.int64), np.ones(1, np.int64),
-            np.zeros(1, np.int64), empty_f, np.zeros((n, 16), np.int8), empty_f, empty_f, empty_i, empty_i, empty_i)
+            np.array([0, 0, spin_barrier.SPIN_LIMIT], np.int64), *weights, norms, caches, *rope, *attention, *scratch)
