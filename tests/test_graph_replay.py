@@ -130,3 +130,27 @@ def test_threads_that_cannot_meet_fall_back_to_the_kernels(engines, monkeypatch,
         np.testing.assert_array_equal(got, expected)
     finally:
         ops.graph_replay = True
+
+
+def test_replays_can_be_turned_off(monkeypatch):
+    from kernels.cpu import CPUBackend
+    monkeypatch.setenv("TS_GRAPH_REPLAY", "0")
+    assert not CPUBackend().graph_replay
+    monkeypatch.setenv("TS_GRAPH_REPLAY", "1")
+    assert CPUBackend().graph_replay
+
+
+def test_arena_places_copies_in_shared_aligned_chunks():
+    from kernels.cpu.arena import ALIGN, HugePageArena
+    arena = HugePageArena(chunk=1 << 16)
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 255, n).astype(np.uint8) for n in (100, 3000, 20000)] + \
+             [rng.standard_normal((7, 9)).astype(np.float32), rng.standard_normal(50000).astype(np.float32)]
+    placed = [arena.place(a) for a in arrays]
+    for a, p in zip(arrays, placed):
+        np.testing.assert_array_equal(p, a)
+        assert p.dtype == a.dtype and p.shape == a.shape
+    for p in placed[:4]:                       # small arrays: views into the arena, 64-byte aligned
+        assert p.base is not None and p.ctypes.data % ALIGN == 0
+    assert placed[4] is arrays[4]              # a chunk or more keeps its own allocation
+    assert np.shares_memory(placed[0], placed[1].base)

@@ -21,13 +21,19 @@ class HugePageArena:
         self._current = np.empty(0, np.uint8)
         self._used = 0
 
+    def _aligned(self, offset: int) -> int:
+        """The first offset from `offset` on whose address in the current chunk is 64-byte aligned."""
+        base = self._current.ctypes.data
+        return -(-(base + offset) // ALIGN) * ALIGN - base
+
     def place(self, a: np.ndarray) -> np.ndarray:
         """A copy of the contiguous array `a` inside the arena (arrays of a chunk or more keep their own)."""
         if a.nbytes >= self.chunk or a.nbytes == 0:
             return a
-        start = -(-self._used // ALIGN) * ALIGN
+        start = self._aligned(self._used)
         if start + a.nbytes > self._current.nbytes:
-            self._current, start = np.empty(self.chunk, np.uint8), 0
+            self._current = np.empty(self.chunk + ALIGN, np.uint8)
+            start = self._aligned(0)
         view = self._current[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
         view[...] = a
         self._used = start + a.nbytes
