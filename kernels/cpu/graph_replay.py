@@ -29,6 +29,10 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
 
+SYNC_CLAIMS = 3     # sync[:3] is the barrier's (spin_barrier.py); then each product's tiles taken, per share
+CLAIM = 4           # tiles a thread takes at a time: 72-256 KiB of codes
+
+
 def available() -> bool:
     return njit is not None and int8_matmul.available()
 
@@ -37,6 +41,7 @@ if available():
     _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
     _quantize, _ROWS = int8_matmul._quantize_two_levels, int8_matmul.ROWS
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
+    _atomic_add = spin_barrier.atomic_add
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
     _gelu_row = elementwise.gelu_tanh_gate_row
 
@@ -56,7 +61,7 @@ if available():
         return own[start:start + rows * values[v, 2]]
 
     @njit(inline="always")
-    def _matmul(i, ops, values, rows, th, n_threads, shared, own, codes, scales, offsets, layout,
+    def _matmul(i, ops, values, rows, th, n_threads, balance, sync, shared, own, codes, scales, offsets, layout,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s):  # pragma: no cover - compiled
         w = ops[i, 5]
         bias, group, n_tiles, k_in = layout[w, 0], layout[w, 1], layout[w, 2], layout[w, 3]
@@ -80,11 +85,28 @@ if available():
         out = shared[values[dst, 1]:values[dst, 1] + rows * values[dst, 2]].reshape((rows, values[dst, 2]))
         full = rows // _ROWS * _ROWS
         w_codes, w_scale, w_offset = codes[w], scales[w], offsets[w]     # typed-list reads are slow: once
-        for t in range(n_tiles * th // n_threads, n_tiles * (th + 1) // n_threads):
-            for r0 in range(0, full, _ROWS):
-                _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
-            for r0 in range(full, rows):
-                _tile_one(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
+        # Each thread owns a contiguous share of the tiles and takes it from the front, CLAIM tiles
+        # at a time; a thread done with its own takes what is left of the others' from their back.
+        # sync[SYNC_CLAIMS + i * n_threads + share] counts the tiles of a share taken from either end.
+        for k in range(n_threads):
+            share = (th + k) % n_threads
+            lo, hi = n_tiles * share // n_threads, n_tiles * (share + 1) // n_threads
+            counter = SYNC_CLAIMS + i * n_threads + share
+            taken_here = 0
+            while True:
+                before = _atomic_add(sync, counter, CLAIM) if balance else taken_here
+                if before >= hi - lo:
+                    break
+                count = min(CLAIM, hi - lo - before)
+                first = lo + taken_here if k == 0 else hi - taken_here - count
+                taken_here += count
+                for t in range(first, first + count):
+                    for r0 in range(0, full, _ROWS):
+                        _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
+                    for r0 in range(full, rows):
+                        _tile_one(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
+            if not balance:
+                break
 
     @njit(inline="always")
     def _store_half(src, dst, scratch):  # pragma: no cover - compiled
@@ -145,7 +167,8 @@ if available():
                     dst[at + j] = src[at + j]
 
     @njit(parallel=True, cache=True, nogil=True)
-    def _replay(ops, params, values, rows, n_threads, shared, private, sync, codes, scales, offsets, layout,
+    def _replay(ops, params, values, rows, n_threads, balance, shared, private, sync, codes, scales, offsets,
+                layout,
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s):  # pragma: no cover - compiled
         for th in prange(n_threads):
@@ -156,8 +179,8 @@ if available():
             for i in range(ops.shape[0]):
                 code, dst, a, b = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
                 if code == MATMUL:
-                    _matmul(i, ops, values, rows, th, n_threads, shared, own, codes, scales, offsets, layout,
-                            x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s)
+                    _matmul(i, ops, values, rows, th, n_threads, balance, sync, shared, own, codes, scales,
+                            offsets, layout, x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s)
                     met += 1
                     if not _meet(sync, n_threads, met):
                         break
@@ -202,7 +225,8 @@ class Replay:
         rows, n = p.rows, self.n_threads
         self.shared = np.zeros(p.shared_size, np.float32)
         self.private = np.zeros((n, p.private_size), np.float32)
-        self.sync = np.zeros(3, np.int64)
+        self.sync = np.zeros(SYNC_CLAIMS + len(p.ops) * self.n_threads, np.int64)
+        self.balance = 1        # 0: each thread only its own share (for A/B measurements)
         self.spin_limit = spin_barrier.SPIN_LIMIT
         k, groups = p.max_in_features, p.max_groups
         self.scratch = (np.zeros((n, rows * k), np.float32), np.zeros((n, 2 * rows * k), np.int8),
@@ -225,8 +249,9 @@ class Replay:
         self.shared[start:start + rows * width] = backend.embedding(p.embedding, inp.token_ids).reshape(-1)
         cos, sin = zip(*(backend.rope_rows(inp.positions, base, n_dims) for base, n_dims in p.rope_bases))
         meta = inp.attention
-        self.sync[:] = (0, 0, self.spin_limit)
-        _replay(p.ops, p.params, p.values, rows, self.n_threads, self.shared, self.private, self.sync,
+        self.sync[:] = 0
+        self.sync[2] = self.spin_limit
+        _replay(p.ops, p.params, p.values, rows, self.n_threads, self.balance, self.shared, self.private, self.sync,
                 self.codes, self.scales, self.offsets, self.layout, self.norms, self.caches,
                 np.ascontiguousarray(np.stack(cos)), np.ascontiguousarray(np.stack(sin)),
                 np.ascontiguousarray(meta.block_tables, dtype=np.int64),
@@ -263,5 +288,7 @@ def warm_up() -> None:
     rope = (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 8), np.float32))
     attention = (np.zeros((1, 1), np.int64), np.ones(1, np.int64), np.zeros(1, np.int64))
     scratch = (f32, np.zeros((n, 16), np.int8), f32, f32, i32, i32, i32)
-    _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32),
-            np.array([0, 0, spin_barrier.SPIN_LIMIT], np.int64), *weights, norms, caches, *rope, *attention, *scratch)
+    sync = np.zeros(SYNC_CLAIMS + n, np.int64)
+    sync[2] = spin_barrier.SPIN_LIMIT
+    _replay(ops, np.ones((1, 2)), values, 1, n, 1, np.ones(16, np.float32), np.zeros((n, 16), np.float32), sync,
+            *weights, norms, caches, *rope, *attention, *scratch)
