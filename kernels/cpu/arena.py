@@ -5,7 +5,7 @@ and more only, and most layer matrices of the small models are below that
 (SmolLM2's 0.4-2.2 MB each): on 4 KiB pages a decode step's stream of ~130 MB
 of codes crosses ~32,000 pages. Copied one after another into 64 MiB chunks,
 in the order the model prepares them (its execution order), the same step ran
-3-5 % faster (SmolLM2, A/B in one process, 2 cores of a Xeon).
+3-6 % faster (SmolLM2, two A/B runs in one process, 2 cores of a Xeon).
 """
 from __future__ import annotations
 

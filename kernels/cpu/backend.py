@@ -25,7 +25,9 @@ from shared.dequant import dequantize_rows
 SGEMM_PADDED_ROWS = (5, 16)
 
 # Decode passes of at most this many rows replay their captured forward in one compiled call
-# (kernels/cpu/graph_capture.py); larger ones spend their time in the products, not between them.
+# (kernels/cpu/graph_capture.py): the row counts measured (tests/test_graph_replay.py); a
+# replay's buffers grow with its rows (~1.2 MB a row for SmolLM2), and larger batches spend
+# their step in the products rather than between them.
 REPLAY_MAX_ROWS = 4
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class CPUBackend:
 
     def run_forward(self, model, inp) -> np.ndarray:
         """model.forward(inp), replayed from its captured program for decode passes of a few rows
-        when every product is in 8-bit integers (one compiled call instead of ~400)."""
+        when every product is in 8-bit integers (one compiled call instead of ~300 kernel calls)."""
         replay = self._replay_for(model, inp)
         if replay is not None:
             out = replay.run(inp, self)
@@ -215,8 +217,8 @@ class CPUBackend:
 
     def rope_rows(self, positions: np.ndarray, base: float, n_dims: int) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin [len(positions), n_dims // 2] of the rotation angles, as `rope` uses them."""
-        cos_t, sin_t = self._rope_table(base, n_dims, int(positions.max(initial=0)))
-        return cos_t[positions], sin_t[positions]
+        cos, sin = self._rope_rows(positions, base, n_dims)
+        return cos[:, 0], sin[:, 0]
 
     def rope(self, x: np.ndarray, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> np.ndarray:
         cos, sin = self._rope_rows(positions, base, n_dims)

@@ -10,7 +10,7 @@ functions as the backend's kernels (the two-level input coding and VNNI tiles
 of int8_matmul, elementwise's rows, decode attention's task), so a replayed
 pass gives the numbers the ordinary kernels give.
 
-A buffer is written once per replay (programs are small: ~1 MB a row for
+A buffer is written once per replay (programs are small: 1.2 MB a row for
 SmolLM2), so no thread can overwrite what the other still reads.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ if available():
         return own[start:start + rows * values[v, 2]]
 
     @njit(inline="always")
-    def _matmul(i, ops, values, rows, th, n_threads, balance, sync, shared, own, codes, scales, offsets, layout,
+    def _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, codes, scales, offsets, layout,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s):  # pragma: no cover - compiled
         w = ops[i, 5]
         bias, group, n_tiles, k_in = layout[w, 0], layout[w, 1], layout[w, 2], layout[w, 3]
@@ -94,7 +94,7 @@ if available():
             counter = SYNC_CLAIMS + i * n_threads + share
             taken_here = 0
             while True:
-                before = _atomic_add(sync, counter, CLAIM) if balance else taken_here
+                before = _atomic_add(sync, counter, CLAIM)
                 if before >= hi - lo:
                     break
                 count = min(CLAIM, hi - lo - before)
@@ -105,8 +105,6 @@ if available():
                         _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
                     for r0 in range(full, rows):
                         _tile_one(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
-            if not balance:
-                break
 
     @njit(inline="always")
     def _store_half(src, dst, scratch):  # pragma: no cover - compiled
@@ -167,7 +165,7 @@ if available():
                     dst[at + j] = src[at + j]
 
     @njit(parallel=True, cache=True, nogil=True)
-    def _replay(ops, params, values, rows, n_threads, balance, shared, private, sync, codes, scales, offsets,
+    def _replay(ops, params, values, rows, n_threads, shared, private, sync, codes, scales, offsets,
                 layout,
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s):  # pragma: no cover - compiled
@@ -179,7 +177,7 @@ if available():
             for i in range(ops.shape[0]):
                 code, dst, a, b = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
                 if code == MATMUL:
-                    _matmul(i, ops, values, rows, th, n_threads, balance, sync, shared, own, codes, scales,
+                    _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, codes, scales,
                             offsets, layout, x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s)
                     met += 1
                     if not _meet(sync, n_threads, met):
@@ -226,7 +224,6 @@ class Replay:
         self.shared = np.zeros(p.shared_size, np.float32)
         self.private = np.zeros((n, p.private_size), np.float32)
         self.sync = np.zeros(SYNC_CLAIMS + len(p.ops) * self.n_threads, np.int64)
-        self.balance = 1        # 0: each thread only its own share (for A/B measurements)
         self.spin_limit = spin_barrier.SPIN_LIMIT
         k, groups = p.max_in_features, p.max_groups
         self.scratch = (np.zeros((n, rows * k), np.float32), np.zeros((n, 2 * rows * k), np.int8),
@@ -251,12 +248,10 @@ class Replay:
         meta = inp.attention
         self.sync[:] = 0
         self.sync[2] = self.spin_limit
-        _replay(p.ops, p.params, p.values, rows, self.n_threads, self.balance, self.shared, self.private, self.sync,
+        _replay(p.ops, p.params, p.values, rows, self.n_threads, self.shared, self.private, self.sync,
                 self.codes, self.scales, self.offsets, self.layout, self.norms, self.caches,
-                np.ascontiguousarray(np.stack(cos)), np.ascontiguousarray(np.stack(sin)),
-                np.ascontiguousarray(meta.block_tables, dtype=np.int64),
-                np.ascontiguousarray(meta.context_lens, dtype=np.int64),
-                np.ascontiguousarray(meta.slot_mapping, dtype=np.int64), *self.scratch)
+                np.stack(cos), np.stack(sin),
+                *meta.decode_tables[1:], np.ascontiguousarray(meta.slot_mapping, dtype=np.int64), *self.scratch)
         if self.sync[1]:
             return None
         space, offset, stride, col0, width = (int(v) for v in p.values[p.output])
@@ -290,5 +285,5 @@ def warm_up() -> None:
     scratch = (f32, np.zeros((n, 16), np.int8), f32, f32, i32, i32, i32)
     sync = np.zeros(SYNC_CLAIMS + n, np.int64)
     sync[2] = spin_barrier.SPIN_LIMIT
-    _replay(ops, np.ones((1, 2)), values, 1, n, 1, np.ones(16, np.float32), np.zeros((n, 16), np.float32), sync,
+    _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32), sync,
             *weights, norms, caches, *rope, *attention, *scratch)

@@ -21,7 +21,8 @@ try:
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
-# ~1-3 s of `pause` on current x86 cores: far beyond any step, short of a hung worker
+# ~0.2 s of `pause` (9.4 ns each, measured on the Xeon of docs/BENCHMARKS.md's 2026-12-01
+# evening section): far beyond any step, short of a hung worker
 SPIN_LIMIT = 20_000_000
 
 
