@@ -229,7 +229,7 @@ def test_greedy_uses_penalized_logits():
     s = Sampler()
     plain = s.sample(row, [SamplingParams(temperature=0)], [[]], [[]], [None])
     assert plain.token_ids[0] == 1
-    pen = s.sample(row, [SamplingParams(temperature=0, repetition_penalty=1.2)],
+    pen = s.sample(row, [SamplingParams(temperature=0, repetition_penalty=1.2, logprobs=0)],
                    [[1]], [[]], [None])
     assert pen.token_ids[0] == 2          # 2.0 / 1.2 = 1.667 < 1.8
     # Logprob reported is still the raw one.
@@ -332,11 +332,12 @@ def test_logprobs_chosen_and_top_n():
     assert out.logprobs.dtype == np.float32 and out.logprobs.shape == (3,)
     for i in range(3):
         ref = np.log(softmax(logits[i]))   # raw distribution, no penalties/temperature
-        assert out.logprobs[i] == pytest.approx(ref[out.token_ids[i]], abs=1e-5)
         n = params[i].logprobs
-        if n is None:
+        if n is None:                      # not requested: not computed (vLLM's rule)
+            assert math.isnan(float(out.logprobs[i]))
             assert out.top_ids[i] is None and out.top_logprobs[i] is None
             continue
+        assert out.logprobs[i] == pytest.approx(ref[out.token_ids[i]], abs=1e-5)
         exp_ids = np.lexsort((np.arange(vocab), -logits[i]))[:n]
         np.testing.assert_array_equal(out.top_ids[i], exp_ids)
         np.testing.assert_allclose(out.top_logprobs[i], ref[exp_ids], atol=1e-5)
@@ -356,6 +357,18 @@ def test_rejects_nan_logits_and_mismatched_lengths():
     bad[0, 2] = np.nan
     with pytest.raises(ValueError, match="row 0"):
         Sampler().sample(bad, [SamplingParams()], [[]], [[]], [None])
+    # rows that skip the log-sum-exp (no logprobs asked) are checked all the same
+    for value in (np.nan, np.inf):
+        bad = np.stack([LOGITS8, LOGITS8, LOGITS8])
+        bad[2, 5] = value
+        for p in (SamplingParams(temperature=0), SamplingParams(temperature=0.7),
+                  SamplingParams(temperature=0, logprobs=2)):
+            with pytest.raises(ValueError, match="logits row 2 has no finite maximum"):
+                Sampler().sample(bad, [SamplingParams(logprobs=1), SamplingParams(temperature=0), p],
+                                 [[]] * 3, [[]] * 3, [make_generator(0)] * 3)
+    all_neg = np.full((1, 8), -np.inf, np.float32)
+    with pytest.raises(ValueError, match="row 0"):
+        Sampler().sample(all_neg, [SamplingParams(temperature=0)], [[]], [[]], [None])
     with pytest.raises(ValueError, match="params"):
         Sampler().sample(LOGITS8[None], [], [[]], [[]], [None])
 
