@@ -284,9 +284,8 @@ class Engine:
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         start = seq.num_computed
-        tokens = seq.tokens
         done_prompt = start + n >= len(seq.prompt)
-        ids = tokens[start:start + n]
+        ids = seq.token_slice(start, start + n)
         chunk = SeqChunk(
             seq_id=seq.seq_id,
             token_ids=np.asarray(ids + [PLACEHOLDER] * (n - len(ids)), np.int64),   # ahead: being sampled
@@ -297,10 +296,10 @@ class Engine:
             and (not seq.score_top_k or seq.generate_after_score),
             params=seq.params,
             score_top_k=seq.score_top_k if start < len(seq.prompt) else 0,
-            prefix_ids=np.asarray(tokens[:start], np.int64) if seq.send_prefix else None,
+            prefix_ids=np.asarray(seq.token_slice(0, start), np.int64) if seq.send_prefix else None,
         )
         if chunk.score_top_k:                          # each position's next token, for its own logprob
-            nxt = tokens[start + 1:start + n + 1]
+            nxt = seq.token_slice(start + 1, start + n + 1)
             chunk.score_targets = np.asarray(nxt + [-1] * (n - len(nxt)), np.int64)
         seq.send_prefix = False
         return chunk

@@ -47,6 +47,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """tokens[start:stop] without building the whole list (a step's chunk of a long context)."""
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        if start >= n:
+            return self.output[start - n:stop - n]
+        return self.prompt[start:] + self.output[:stop - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)

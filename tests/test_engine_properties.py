@@ -224,3 +224,11 @@ def test_pipelined_decode_launches_ahead_and_changes_nothing():
         else:
             assert worker.placeholders == 0
     assert outputs[True] == outputs[False] == [run_alone(p, 12, 128, (13,)) for p in prompts]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=12), st.lists(st.integers(0, 9), max_size=12),
+       st.integers(0, 30), st.integers(0, 30))
+def test_token_slice_is_a_slice_of_prompt_and_output(prompt, output, start, stop):
+    seq = Sequence(list(prompt), SamplingParams(max_tokens=50), output=list(output))
+    assert seq.token_slice(start, stop) == (prompt + output)[start:stop]

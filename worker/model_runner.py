@@ -162,9 +162,10 @@ class ModelRunner:
             if s.params is None:
                 raise ValueError(f"sequence {c.seq_id} asks for a token but no sampling parameters were sent")
             params.append(s.params)
+        # only penalties read the tokens: no copies of long contexts for the other rows
         out = self.sampler.sample(logits, params,
-                                  [s.tokens[:s.prompt_len] for s in states],
-                                  [s.tokens[s.prompt_len:] for s in states],
+                                  [s.tokens[:s.prompt_len] if p.has_penalties else () for s, p in zip(states, params)],
+                                  [s.tokens[s.prompt_len:] if p.has_penalties else () for s, p in zip(states, params)],
                                   [s.generator for s in states])
         for i, r in enumerate(results):
             r.token_id, r.logprob = int(out.token_ids[i]), float(out.logprobs[i])
