@@ -157,7 +157,7 @@ def test_the_sampled_rows_logits_of_a_prompt_chunk_read_the_codes(tmp_path, monk
     out = runner.model.output
     assert out.codes is not None
     ids = np.arange(3, 15)
-    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
 
     def logprob(seq_id: int) -> float:
         return runner.execute(StepRequest([SeqChunk(seq_id, ids, 0, np.array([0]), len(ids), params=greedy)])
