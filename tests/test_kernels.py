@@ -476,6 +476,32 @@ def test_matmul_and_embedding(ops):
     np.testing.assert_array_equal(ops.embedding(table, np.array([7, 1])), expected)
 
 
+def test_compiled_q8_0_rows_equal_the_numpy_decoder(ops):
+    """Q8_0 embedding rows decoded in one compiled call (kernels/cpu/get_rows.py) equal
+    shared/dequant's numpy decoding bit for bit, scales of every kind included, and an id out of
+    range gets the decoder's error."""
+    from kernels.cpu import get_rows
+    from shared.dequant import dequantize_rows
+    rng = np.random.default_rng(5)
+    n_rows, n_cols = 40, 96
+    blocks = np.zeros((n_rows * n_cols // 32, 34), np.uint8)
+    blocks[:, 2:] = rng.integers(0, 256, (blocks.shape[0], 32))
+    scales = rng.standard_normal(blocks.shape[0]).astype(np.float16)
+    scales[:6] = [0.0, -0.0, np.inf, np.nan, 6e-8, -65504.0]       # zero, inf, NaN, subnormal, extreme
+    blocks[:, :2] = scales.view(np.uint8).reshape(-1, 2)
+    raw = blocks.reshape(-1)
+    table = ops.prepare_embedding(raw, GGMLQuantizationType.Q8_0, (n_rows, n_cols))
+    assert table.compiled == get_rows.supports(raw, GGMLQuantizationType.Q8_0, (n_rows, n_cols)) \
+        and (table.compiled or get_rows.njit is None)
+    ids = np.array([[0, 1, 39], [7, 0, 2]])
+    want = dequantize_rows(raw, GGMLQuantizationType.Q8_0, (n_rows, n_cols), ids)
+    got = ops.embedding(table, ids)
+    assert got.shape == (2, 3, n_cols) and got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(IndexError, match=r"out of range \[0, 40\).*max 40"):
+        ops.embedding(table, np.array([3, 40]))
+
+
 @pytest.mark.parametrize("window", [0, 5])
 def test_compiled_decode_attention_matches_numpy_path(ops, window):
     """The numba decode kernel, parallel and serial, and the numpy fallback (machines without numba)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import attention, decode_attention, elementwise, graph_capture, graph_replay, int8_matmul, quantized
+from kernels.cpu import (attention, decode_attention, elementwise, get_rows, graph_capture, graph_replay, int8_matmul,
+                         quantized)
 from kernels.cpu.arena import HugePageArena
 from kernels.cpu.int8_matmul import Int8Matrix
 from kernels.cpu.quantized import QuantizedMatrix
@@ -39,6 +40,7 @@ class QuantizedRows:
     raw: np.ndarray
     ggml_type: int
     shape: tuple[int, int]
+    compiled: bool = False       # decoded by kernels/cpu/get_rows.py (Q8_0)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class CPUBackend:
     def warm_up(self) -> None:
         """Compile the numba kernels now (a few seconds the first time, then from numba's cache)."""
         elementwise.warm_up()           # RMSNorm and SwiGLU are compiled wherever numba is
+        get_rows.warm_up()
         if self.quantized_matmul:
             quantized.warm_up()
             decode_attention.warm_up()
@@ -176,10 +179,17 @@ class CPUBackend:
         return x @ w.dense
 
     def prepare_embedding(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> QuantizedRows:
-        return QuantizedRows(raw, ggml_type, tuple(shape))
+        if isinstance(raw, np.ndarray):
+            raw = np.asarray(raw)               # an np.memmap's buffer as a plain array, not a copy
+        shape = tuple(shape)
+        return QuantizedRows(raw, ggml_type, shape, get_rows.supports(raw, ggml_type, shape))
 
     def embedding(self, table: QuantizedRows, ids: np.ndarray) -> np.ndarray:
         # rows are decoded from the memory-mapped GGUF on demand, as llama.cpp's get_rows does
+        if table.compiled:
+            rows = get_rows.q8_0_rows(table.raw, table.shape, ids)
+            if rows is not None:
+                return rows
         return dequantize_rows(table.raw, table.ggml_type, table.shape, ids)
 
     # --- element-wise ----------------------------------------------------------
