@@ -83,3 +83,38 @@ def test_sliding_window_chunks_past_the_window_match_one_pass(engines):
         out = runner.forward_logits([SeqChunk(401, np.asarray(prompt[start:start + 300], np.int64), start,
                                               table, len(prompt), sample=False)])
     np.testing.assert_allclose(out, last, atol=TOLERANCE, rtol=0)
+
+
+def test_decode_steps_pack_as_the_general_packing_does(engines):
+    """One token a chunk takes ModelRunner._pack_decode: the same arrays as _pack_chunks, with the
+    metadata's derived tables filled in equal to what they compute, and the same error."""
+    from kernels import AttentionMetadata
+    runner = engines(MODELS[0]).runner
+    bs = runner.capacity.block_size
+    chunks = [SeqChunk(300, np.array([11]), 0, np.array([4], np.int32), 1, sample=False),
+              SeqChunk(301, np.array([12]), bs + 3, np.array([9, 2, 7], np.int32), 40, sample=False,
+                       prefix_ids=np.arange(bs + 3)),
+              SeqChunk(302, np.array([13]), 2 * bs, np.array([5, 6, 8], np.int32), 5, sample=False,
+                       prefix_ids=np.arange(2 * bs))]
+    fast, fast_rows = runner._pack(chunks)
+    slow, slow_rows = runner._pack_chunks(chunks)
+    for got, want in ((fast.token_ids, slow.token_ids), (fast.positions, slow.positions),
+                      (fast.output_rows, slow.output_rows), (fast_rows, slow_rows)):
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == want.dtype
+    a, b = fast.attention, slow.attention
+    fresh = AttentionMetadata(a.query_lens, a.context_lens, a.block_tables, a.slot_mapping, a.causal)
+    for name in ("query_lens", "context_lens", "block_tables", "slot_mapping"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert getattr(a, name).dtype == getattr(b, name).dtype, name
+    assert a.causal == b.causal and a.all_decode is fresh.all_decode is True
+    np.testing.assert_array_equal(a.row_starts, fresh.row_starts)
+    np.testing.assert_array_equal(a.decode_seqs, fresh.decode_seqs)
+    for got, want in zip(a.decode_tables, fresh.decode_tables):
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == want.dtype and got.flags.c_contiguous
+    short = [SeqChunk(303, np.array([1]), 2 * bs, np.array([1, 2], np.int32), 3, sample=False,
+                      prefix_ids=np.arange(2 * bs))]
+    for pack in (runner._pack, runner._pack_chunks):
+        with pytest.raises(ValueError, match="block table has 2 blocks, 3 needed"):
+            pack(short)

@@ -93,7 +93,9 @@ class ModelRunner:
                 sample_idx.append(i)
                 sample_rows.append(offset + n_rows - 1)
             offset += n_rows
-        if sample_idx:
+        if len(sample_idx) == len(chunks) == hidden.shape[0]:       # a decode step: every row, in order
+            self._sample(chunks, hidden, results)
+        elif sample_idx:
             self._sample([chunks[i] for i in sample_idx], hidden[np.array(sample_rows)],
                          [results[i] for i in sample_idx])
         self.tokens_computed += len(inp.token_ids)
@@ -107,6 +109,11 @@ class ModelRunner:
         return self.ops.to_numpy(self.model.logits(self.ops.run_forward(self.model, inp)))
 
     def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
+        if self.config.causal and all(len(c.token_ids) == 1 and not c.score_top_k for c in chunks):
+            return self._pack_decode(chunks)
+        return self._pack_chunks(chunks)
+
+    def _pack_chunks(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
         bs = self.capacity.block_size
         token_ids = np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])
         positions = np.concatenate([np.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in chunks])
@@ -130,6 +137,25 @@ class ModelRunner:
             self._remember(c)
         meta = AttentionMetadata(query_lens, context_lens, tables, slots, causal=self.config.causal)
         return ForwardInput(token_ids, positions, meta, output_rows), output_rows
+
+    def _pack_decode(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
+        """_pack for one token a chunk, in a third of its numpy calls (the same arrays)."""
+        bs = self.capacity.block_size
+        tables = np.zeros((len(chunks), max(len(c.block_table) for c in chunks)), np.int64)
+        slots = []
+        for i, c in enumerate(chunks):
+            block, offset = divmod(c.start_pos, bs)
+            if len(c.block_table) <= block:
+                raise ValueError(f"sequence {c.seq_id}: block table has {len(c.block_table)} blocks, "
+                                 f"{block + 1} needed for {c.start_pos + 1} tokens")
+            tables[i, :len(c.block_table)] = c.block_table
+            slots.append(int(c.block_table[block]) * bs + offset)
+        for c in chunks:
+            self._remember(c)
+        positions = np.array([c.start_pos for c in chunks], np.int64)
+        meta = AttentionMetadata.for_decode(positions + 1, tables, np.array(slots, np.int64))
+        rows = meta.row_starts
+        return ForwardInput(np.array([int(c.token_ids[0]) for c in chunks], np.int64), positions, meta, rows), rows
 
     def _remember(self, c: SeqChunk) -> None:
         state = self._seqs.get(c.seq_id)
