@@ -88,6 +88,11 @@ def test_capture_of_smollm2_holds_every_layer(engines):
     assert (program.ops[:, 0] == ATTENTION).sum() == layers
     assert len(program.matrices) == 4 * layers and len(program.caches) == 2 * layers
     assert program.output_shape == (1, runner.config.d_model)
+    # each product knows the matrix of the next, whose start it prefetches before the barrier
+    replay = graph_replay.Replay(program)
+    products = np.flatnonzero(program.ops[:, 0] == MATMUL)
+    assert replay.next_matrix[products].tolist() == program.ops[products[1:], 5].tolist() + [-1]
+    assert replay.prefetch_bytes == graph_replay.NEXT_PRODUCT_PREFETCH
 
 
 def test_what_a_capture_cannot_replay_is_refused():

@@ -69,6 +69,21 @@ if available():
 
         return sig, codegen
 
+    @intrinsic
+    def prefetch_l2(typingctx, array, index):
+        """Hint that array[index]'s cache line be brought into L2."""
+        sig = types.void(array, index)
+
+        def codegen(context, builder, signature, args):
+            ptr = _slot(context, builder, signature.args[0], args[0], args[1])
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
+                ir.VoidType(), [i8p, i32, i32, i32]))
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     @njit(inline="always")
     def meet(sync, n_threads, k):  # pragma: no cover - compiled
         """Meeting number k (1, 2, ...) of n_threads threads: True once all arrived, False if aborted."""
