@@ -5,10 +5,11 @@ decode tok/s (64 tokens after a 16-token prompt, median of 3 sequences), decode 
 with 32 sequences in one batch, the memory-bandwidth bounds on single-sequence decode
 (weight bytes one token reads, over the bandwidth measured here: in the form the decode
 step reads them, i.e. the integer codes of kernels/cpu/int8_matmul.py or quantized.py,
-and as float32), and peak resident memory. The host's bandwidth moves by 2x over minutes on
-shared cloud machines, so each decode sequence is paired with bandwidth measured just before
-and after it (the higher of the two, in a child process): *of bound* is the median of these
-paired ratios, *bound* the median paired bound. Each model runs in its own subprocess so
+and as float32), and peak resident memory. The host's bandwidth moves by 2x within minutes on
+shared cloud machines, so each 16-step segment of the decode sequences is paired with the
+bandwidth probed just before and after it (the higher of the two, by a child process that
+holds the 1 GiB matrix): *of bound* is the median of these paired ratios, *bound* the
+median paired bound. Each model runs in its own subprocess so
 peak memory is its own. With --peer-python (a venv that has llama-cpp-python) it runs
 loadtest/peer_llamacpp.py on the same GGUF files in the same run and prints the ratios.
 
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 PROMPT_TOKENS = 512
 DECODE_TOKENS = 64
 DECODE_RUNS = 3
+SEGMENT = 16            # decode steps between two bandwidth probes
 BATCH = 32
 BATCH_STEPS = 32
 
@@ -51,10 +53,37 @@ def measure_bandwidth_gbs() -> float:
     return w.nbytes / best / 1e9
 
 
-def bandwidth_now() -> float:
-    """measure_bandwidth_gbs in a child process, so its 1 GiB matrix stays out of this one's peak RSS."""
-    out = subprocess.run([sys.executable, __file__, "--bandwidth"], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+class BandwidthProbe:
+    """measure_bandwidth_gbs on request in a child process that keeps the 1 GiB matrix (out of this
+    process's peak RSS), so a probe between two decode segments costs ~0.2 s."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--bandwidth-probe"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.proc.stdout.readline()                     # matrix allocated and read once
+
+    def __call__(self) -> float:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def serve_bandwidth_probes() -> None:
+    w = np.ones((16384, 16384), np.float32)
+    x = np.ones((1, 16384), np.float32)
+    x @ w.T
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            x @ w.T
+            best = min(best, time.perf_counter() - t)
+        print(w.nbytes / best / 1e9, flush=True)
 
 
 def weight_bytes_per_token(model) -> tuple[int, int]:
@@ -106,27 +135,50 @@ def bench_model(name: str) -> dict:
             steps += 1
         return steps * n_seqs / (time.perf_counter() - t)
 
+    # single-sequence decode: three sequences of 64 timed tokens, in segments of 16 steps, each
+    # paired with the bandwidth probed just before and after it (the higher of the two)
+    def paired_decode(probe: BandwidthProbe) -> tuple[float, list[tuple[float, float]]]:
+        from scheduler.sequence import Sequence
+        n_segments = DECODE_TOKENS // SEGMENT
+        seq = Sequence(rng.integers(1000, vocab - 1000, 16).tolist(), greedy(1 + n_segments * (SEGMENT + 1)))
+        engine.engine.add(seq)
+        while not seq.output:                             # prefill (and first token) untimed
+            engine.engine.step()
+        segments, timed = [], 0.0
+        before = probe()
+        for _ in range(n_segments):
+            engine.engine.step()                          # untimed: the probe left the caches cold
+            t = time.perf_counter()
+            for _ in range(SEGMENT):
+                engine.engine.step()
+            elapsed = time.perf_counter() - t
+            after = probe()
+            segments.append((SEGMENT / elapsed, max(before, after)))
+            timed += elapsed
+            before = after
+        while engine.engine.has_work():
+            engine.engine.step()
+        return n_segments * SEGMENT / timed, segments
+
     decode_rate(1, 4)  # warm-up
     read, dense = weight_bytes_per_token(engine.runner.model)
-    # the median of three sequences, each paired with the bandwidth around it
-    bandwidths = [bandwidth_now()]
-    rates = []
-    for _ in range(DECODE_RUNS):
-        decode_rate(1, 2)              # the bandwidth child evicted the caches: refill them
-        rates.append(decode_rate(1, DECODE_TOKENS))
-        bandwidths.append(bandwidth_now())
-    paired = [max(a, b) for a, b in zip(bandwidths, bandwidths[1:])]
-    bound = [bw * 1e9 / read for bw in paired]
+    probe = BandwidthProbe()
+    try:
+        runs = [paired_decode(probe) for _ in range(DECODE_RUNS)]
+    finally:
+        probe.close()
+    segments = [seg for _, segs in runs for seg in segs]
+    bandwidth = float(np.median([bw for _, bw in segments]))
     batch = decode_rate(BATCH, BATCH_STEPS)
     return {
         "prefill_tok_s": PROMPT_TOKENS / min(prefill_s),
-        "decode_tok_s": float(np.median(rates)),
-        "decode_bound_tok_s": float(np.median(bound)),
-        "decode_bound_fp32_tok_s": float(np.median(paired)) * 1e9 / dense,
-        "decode_of_bound": float(np.median([r / b for r, b in zip(rates, bound)])),
-        "decode_bandwidth_gbs": float(np.median(paired)),
-        "decode_runs": [{"tok_s": r, "bandwidth_gbs": bw, "of_bound": r / b}
-                        for r, bw, b in zip(rates, paired, bound)],
+        "decode_tok_s": float(np.median([rate for rate, _ in runs])),
+        "decode_bound_tok_s": bandwidth * 1e9 / read,
+        "decode_bound_fp32_tok_s": bandwidth * 1e9 / dense,
+        "decode_of_bound": float(np.median([rate * read / (bw * 1e9) for rate, bw in segments])),
+        "decode_bandwidth_gbs": bandwidth,
+        "decode_segments": [{"tok_s": rate, "bandwidth_gbs": bw, "of_bound": rate * read / (bw * 1e9)}
+                            for rate, bw in segments],
         "batch32_decode_tok_s": batch,
         "peak_rss_mib": peak_rss_mib(),
     }
@@ -159,7 +211,12 @@ def main() -> int:
                     help="python of a venv with llama-cpp-python, to run the peer side by side [env TS_PEER_PYTHON]")
     ap.add_argument("--one", help=argparse.SUPPRESS)   # internal: bench one model in this process
     ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--bandwidth-probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+
+    if args.bandwidth_probe:
+        serve_bandwidth_probes()
+        return 0
 
     if args.one:
         print(json.dumps(bench_model(args.one)))
@@ -198,9 +255,10 @@ def main() -> int:
               f"{r['decode_bound_tok_s']:>12.1f} {r['decode_of_bound']:>9.2f} {r['decode_bound_fp32_tok_s']:>11.1f} "
               f"{r['decode_tok_s'] / r['decode_bound_fp32_tok_s']:>8.2f} {r['batch32_decode_tok_s']:>13.1f} "
               f"{r['peak_rss_mib']:>13.0f}")
-        runs = ", ".join(f"{d['tok_s']:.1f} tok/s at {d['bandwidth_gbs']:.1f} GB/s = {d['of_bound']:.2f}"
-                         for d in r["decode_runs"])
-        print(f"{'  decode runs':<14} {runs}")
+        ratios = sorted(d["of_bound"] for d in r["decode_segments"])
+        gbs = sorted(d["bandwidth_gbs"] for d in r["decode_segments"])
+        print(f"{'  segments':<14} {len(ratios)} of {SEGMENT} steps: of bound {ratios[0]:.2f}-{ratios[-1]:.2f} "
+              f"(median {np.median(ratios):.2f}), paired bandwidth {gbs[0]:.1f}-{gbs[-1]:.1f} GB/s")
         if peer:
             print(f"{'  llama.cpp':<14} {peer['prefill_tok_s']:>14.1f} {peer['decode_tok_s']:>13.1f} {'':>12} {'':>9} "
                   f"{'':>6} {'':>11} {'':>8} "
