@@ -30,7 +30,6 @@ vocabulary is ~0.3 ms of a decode step.  Other rows report NaN.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -84,8 +83,9 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum()))
 
 
-def _row_logsumexp(logits: np.ndarray) -> np.ndarray:
-    """log-sum-exp per row of a float32 [n, V] array, in float64, chunked."""
+def _row_logsumexp(logits: np.ndarray, batch_rows: np.ndarray | None = None) -> np.ndarray:
+    """log-sum-exp per row of a float32 [n, V] array, in float64, chunked. `batch_rows`: the
+    batch's row number of each row, for the error about a non-finite one."""
     n, v = logits.shape
     out = np.empty(n, dtype=np.float64)
     step = max(1, _CHUNK_ELEMS // max(v, 1))
@@ -95,6 +95,7 @@ def _row_logsumexp(logits: np.ndarray) -> np.ndarray:
         bad = ~np.isfinite(m)
         if bad.any():
             i = s + int(np.flatnonzero(bad)[0])
+            i = int(batch_rows[i]) if batch_rows is not None else i
             raise ValueError(f"logits row {i} has no finite maximum (NaN or all -inf/+inf)")
         if elementwise.available():
             total = elementwise.exp_sums(blk, m)
@@ -120,12 +121,6 @@ def _plain_greedy(logits: np.ndarray) -> SampleOutput:
 def _check_finite_max(row: np.ndarray, i: int) -> None:
     if not np.isfinite(row.max()):
         raise ValueError(f"logits row {i} has no finite maximum (NaN or all -inf/+inf)")
-
-
-def _renumber_row(message: str, rows: np.ndarray) -> str:
-    """An error about row j of a subset names row rows[j] of the batch."""
-    m = re.match(r"logits row (\d+)", message)
-    return message if m is None else f"logits row {int(rows[int(m.group(1))])}" + message[m.end():]
 
 
 def apply_penalties(
@@ -277,10 +272,7 @@ class Sampler:
             lse[:] = _row_logsumexp(logits)  # also rejects NaN / non-finite rows
         elif wanted.any():
             w_rows = np.flatnonzero(wanted)
-            try:
-                lse[w_rows] = _row_logsumexp(logits[w_rows])
-            except ValueError as e:
-                raise ValueError(_renumber_row(str(e), w_rows)) from None
+            lse[w_rows] = _row_logsumexp(logits[w_rows], w_rows)
 
         # Penalties (only rows that have any), otherwise share the raw rows.
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
