@@ -33,8 +33,9 @@ class AttentionMetadata:
     @classmethod
     def for_decode(cls, context_lens: np.ndarray, block_tables: np.ndarray,
                    slot_mapping: np.ndarray) -> AttentionMetadata:
-        """One new causal token per sequence (a decode step), its derived tables filled in at once:
-        each numpy call after a step's weight streams costs 10-40 us."""
+        """One new causal token per sequence (a decode step; block_tables and context_lens as int64,
+        as decode_tables holds them), its derived tables filled in at once:
+        each numpy call after a step's weight streams runs cold (a 1-element add: 24-38 us)."""
         rows = np.arange(len(context_lens))
         meta = cls(np.ones(len(rows), np.int64), context_lens, block_tables.astype(np.int32), slot_mapping)
         meta.__dict__.update(all_decode=True, row_starts=rows, decode_seqs=rows,

@@ -40,17 +40,25 @@ BATCH = 32
 BATCH_STEPS = 32
 
 
-def measure_bandwidth_gbs() -> float:
-    """Read bandwidth as a decode step sees it: one row times a 1 GiB float32 matrix."""
+def _gemv_operands() -> tuple[np.ndarray, np.ndarray]:
     w = np.ones((16384, 16384), np.float32)
     x = np.ones((1, 16384), np.float32)
-    x @ w.T
+    x @ w.T                                   # pages touched once, outside the timing
+    return w, x
+
+
+def _best_gemv_gbs(w: np.ndarray, x: np.ndarray) -> float:
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
         x @ w.T
         best = min(best, time.perf_counter() - t)
     return w.nbytes / best / 1e9
+
+
+def measure_bandwidth_gbs() -> float:
+    """Read bandwidth as a decode step sees it: one row times a 1 GiB float32 matrix, best of 5."""
+    return _best_gemv_gbs(*_gemv_operands())
 
 
 class BandwidthProbe:
@@ -73,17 +81,10 @@ class BandwidthProbe:
 
 
 def serve_bandwidth_probes() -> None:
-    w = np.ones((16384, 16384), np.float32)
-    x = np.ones((1, 16384), np.float32)
-    x @ w.T
+    w, x = _gemv_operands()
     print("ready", flush=True)
     for _ in sys.stdin:
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            x @ w.T
-            best = min(best, time.perf_counter() - t)
-        print(w.nbytes / best / 1e9, flush=True)
+        print(_best_gemv_gbs(w, x), flush=True)
 
 
 def weight_bytes_per_token(model) -> tuple[int, int]:

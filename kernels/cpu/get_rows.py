@@ -1,7 +1,7 @@
 """Compiled embedding-row decoding (llama.cpp's get_rows) for Q8_0 tables.
 
 shared/dequant.py decodes any GGUF type in numpy: for the one or two rows of a
-decode step that is ~15 array operations, and each costs 10-40 us when it runs
+decode step that is ~15 array operations, each slow (a 1-element add: 24-38 us) when it runs
 right after the step's weight streams have evicted the caches (the Gemma 3
 embedding row: 184 us cold, 27 us in one compiled call). Both bundled models
 keep their embedding in Q8_0: y = q * d, d a float16 scale per 32 codes,
