@@ -66,8 +66,12 @@ class BandwidthProbe:
     process's peak RSS), so a probe between two decode segments costs ~0.2 s."""
 
     def __init__(self) -> None:
+        # OpenBLAS's threads spin for ~0.1 s after a call: left so, the probe's would take a core
+        # from the decode segment that follows it (an 8-bit product right after an sgemv streamed at
+        # 25 GB/s instead of 40, on the Zen 5 EPYC of docs/BENCHMARKS.md); with 2**4 cycles they sleep
+        env = {**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"}
         self.proc = subprocess.Popen([sys.executable, __file__, "--bandwidth-probe"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True, env=env)
         self.proc.stdout.readline()                     # matrix allocated and read once
 
     def __call__(self) -> float:
