@@ -147,7 +147,7 @@ if available():
             for g in range(g0, g1):
                 _round_to_half(q[b, kv * group + g])
             _attend(q, k_cache, v_cache, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out, b,
-                    kv, g0, g1)
+                    kv, g0, g1, False)
             task = run_end
 
     @njit(inline="always")
