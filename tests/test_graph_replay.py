@@ -137,6 +137,25 @@ def test_threads_that_cannot_meet_fall_back_to_the_kernels(engines, monkeypatch,
         ops.graph_replay = True
 
 
+
+def test_a_token_out_of_range_in_a_replay_is_an_index_error(engines):
+    """The replay decodes its input rows itself (Q8_0 tables): an id past the vocabulary stops it
+    before any thread reads a row, with the backend's IndexError; replays stay on."""
+    runner = engines("smollm2-135m").runner
+    ops = runner.ops
+    if not ops.int8_matmul:
+        pytest.skip("the model's products are not in 8-bit integers here")
+    prompt = load_fixture("smollm2-135m")["generate"][0]["prompt_tokens"]
+    table = prefill(runner, 985, prompt, 700)
+    vocab = runner.config.vocab_size
+    ops.graph_replay = True
+    good = runner.forward_logits(decode_chunks([(985, prompt, table, 17)], 0))
+    assert any(r is not None and r.embedding.size for r in ops._replays.values()), "no replay decoded its rows"
+    with pytest.raises(IndexError, match=str(vocab)):
+        runner.forward_logits(decode_chunks([(985, prompt, table, vocab)], 0))
+    assert ops.graph_replay
+    np.testing.assert_array_equal(runner.forward_logits(decode_chunks([(985, prompt, table, 17)], 0)), good)
+
 def test_replays_can_be_turned_off(monkeypatch):
     from kernels.cpu import CPUBackend
     monkeypatch.setenv("TS_GRAPH_REPLAY", "0")

@@ -204,7 +204,8 @@ class CPUBackend:
         out *= weight
         return out
 
-    def _rope_table(self, base: float, n_dims: int, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    def rope_table(self, base: float, n_dims: int, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin [size, n_dims // 2] of the rotation angles of positions 0..size-1, size > max_pos."""
         key = (float(base), n_dims)
         table = self._rope_tables.get(key)
         if table is None or table[0].shape[0] <= max_pos:
@@ -220,15 +221,10 @@ class CPUBackend:
         key = (float(base), n_dims)
         held = self._rope_rows_of.get(key)
         if held is None or held[0] is not positions:
-            cos_t, sin_t = self._rope_table(base, n_dims, int(positions.max(initial=0)))
+            cos_t, sin_t = self.rope_table(base, n_dims, int(positions.max(initial=0)))
             held = (positions, cos_t[positions][:, None, :], sin_t[positions][:, None, :])
             self._rope_rows_of[key] = held
         return held[1], held[2]
-
-    def rope_rows(self, positions: np.ndarray, base: float, n_dims: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin [len(positions), n_dims // 2] of the rotation angles, as `rope` uses them."""
-        cos, sin = self._rope_rows(positions, base, n_dims)
-        return cos[:, 0], sin[:, 0]
 
     def rope(self, x: np.ndarray, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> np.ndarray:
         cos, sin = self._rope_rows(positions, base, n_dims)

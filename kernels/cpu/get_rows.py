@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 Q8_0 = 8                    # GGMLQuantizationType.Q8_0
 _BLOCK, _BLOCK_BYTES = 32, 34
 # every float16 bit pattern as float32 (numpy's own conversion: subnormals, inf and NaN included)
-_F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 def supports(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> bool:
@@ -33,32 +33,35 @@ def q8_0_rows(raw: np.ndarray, shape: tuple[int, int], ids: np.ndarray) -> np.nd
     out of range (the caller's general decoder then says which)."""
     flat = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     out = np.empty((flat.shape[0], shape[1]), np.float32)
-    if _decode(raw, shape[0], flat, out, _F16) >= 0:
+    if _decode(raw, shape[0], flat, out, F16) >= 0:
         return None
     return out.reshape(tuple(np.shape(ids)) + (shape[1],))
 
 
 if njit is not None:
     @njit(cache=True, nogil=True)
+    def q8_0_row(raw, i, out, f16):  # pragma: no cover - compiled
+        """out[:] = row i of the Q8_0 table raw (the caller checks i)."""
+        n_blocks = out.shape[0] // _BLOCK
+        base = i * n_blocks * _BLOCK_BYTES
+        for b in range(n_blocks):
+            at = base + b * _BLOCK_BYTES
+            d = f16[np.int64(raw[at]) | (np.int64(raw[at + 1]) << 8)]
+            for j in range(_BLOCK):
+                q = np.int8(raw[at + 2 + j])
+                out[b * _BLOCK + j] = np.float32(q) * d
+
+    @njit(cache=True, nogil=True)
     def _decode(raw, n_rows, ids, out, f16):  # pragma: no cover - compiled
         """Fills out[r] with row ids[r]; returns the first r whose id is out of range, else -1."""
-        n_blocks = out.shape[1] // _BLOCK
-        row_bytes = n_blocks * _BLOCK_BYTES
         for r in range(ids.shape[0]):
-            i = ids[r]
-            if i < 0 or i >= n_rows:
+            if ids[r] < 0 or ids[r] >= n_rows:
                 return r
-            base = i * row_bytes
-            for b in range(n_blocks):
-                at = base + b * _BLOCK_BYTES
-                d = f16[np.int64(raw[at]) | (np.int64(raw[at + 1]) << 8)]
-                for j in range(_BLOCK):
-                    q = np.int8(raw[at + 2 + j])
-                    out[r, b * _BLOCK + j] = np.float32(q) * d
+            q8_0_row(raw, ids[r], out[r], f16)
         return -1
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the decoder on a one-block table."""
     if njit is not None:
-        _decode(np.zeros(_BLOCK_BYTES, np.uint8), 1, np.zeros(1, np.int64), np.empty((1, _BLOCK), np.float32), _F16)
+        _decode(np.zeros(_BLOCK_BYTES, np.uint8), 1, np.zeros(1, np.int64), np.empty((1, _BLOCK), np.float32), F16)

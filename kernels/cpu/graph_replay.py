@@ -12,12 +12,19 @@ pass gives the numbers the ordinary kernels give.
 
 A buffer is written once per replay (programs are small: 1.2 MB a row for
 SmolLM2), so no thread can overwrite what the other still reads.
+
+The region also decodes its input rows (Q8_0 embeddings: every thread the
+same values), reads the RoPE angles of the pass's positions from the backend's
+whole tables and copies the result out: each numpy call around a replay runs
+with caches the weights just flushed, and the Python of Replay.run went from
+171-186 us to 37-39 us a SmolLM2 step (the Zen 5 EPYC of docs/BENCHMARKS.md,
+two runs each way in one slow phase of the host).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import decode_attention, elementwise, int8_matmul, spin_barrier
+from kernels.cpu import decode_attention, elementwise, get_rows, int8_matmul, spin_barrier
 from kernels.cpu.graph_capture import (ADD, ATTENTION, GELU_TANH_GATE, MATMUL, RMS_NORM, ROPE, SCALE, SHARED,
                                        SWIGLU, Program)
 
@@ -29,7 +36,8 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
 
-SYNC_CLAIMS = 3     # sync[:3] is the barrier's (spin_barrier.py); then each product's tiles taken, per share
+SYNC_CLAIMS = 4     # sync[:3] is the barrier's (spin_barrier.py), sync[3] a token id out of range; then
+                    # each product's tiles taken, per share
 CLAIM = 4           # tiles a thread takes at a time: 72-256 KiB of codes
 # A thread done with a product asks for the first 4 KiB of its share of the next one (and their
 # scales) before it waits at the barrier: in-process A/Bs on a Zen 4 EPYC, Gemma 3 decode steps
@@ -47,6 +55,7 @@ if available():
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
+    _embedding_row = get_rows.q8_0_row
     _gelu_row = elementwise.gelu_tanh_gate_row
 
     @njit(inline="always")
@@ -151,12 +160,12 @@ if available():
             task = run_end
 
     @njit(inline="always")
-    def _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin):  # pragma: no cover - compiled
+    def _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin, positions):  # pragma: no cover - compiled
         base, n_dims, neox, head_dim = ops[i, 5], ops[i, 6], ops[i, 7], ops[i, 8]
         half = n_dims // 2
         for r in range(rows):
             src, dst = _row(values, ops[i, 2], r, shared, own), _row(values, ops[i, 1], r, shared, own)
-            cos, sin = rope_cos[base, r], rope_sin[base, r]
+            cos, sin = rope_cos[base, positions[r]], rope_sin[base, positions[r]]
             for h in range(src.shape[0] // head_dim):
                 at = h * head_dim
                 for j in range(half):
@@ -185,13 +194,26 @@ if available():
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, codes, scales, offsets,
                 layout,
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots,
-                x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes):  # pragma: no cover
+                x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes,
+                positions, token_ids, embedding, f16, output, result):  # pragma: no cover
         for th in prange(n_threads):
             own = private[th]
             bits = bits_s[th]
             scratch = x_s[th]
             met = 0
-            for i in range(ops.shape[0]):
+            # the input rows from the Q8_0 table, decoded by every thread (the same values); an id
+            # out of range is seen by all threads before any meeting, and all leave
+            bad = False
+            if embedding.shape[0] > 0:
+                n_rows = embedding.shape[0] // (values[0, 4] // 32 * 34)
+                for r in range(rows):
+                    bad = bad or token_ids[r] < 0 or token_ids[r] >= n_rows
+                if bad:
+                    sync[3] = 1
+                else:
+                    for r in range(rows):
+                        _embedding_row(embedding, token_ids[r], _row(values, 0, r, shared, own), f16)
+            for i in range(0 if bad else ops.shape[0]):
                 code, dst, a, b = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
                 if code == MATMUL:
                     _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, codes, scales,
@@ -208,7 +230,7 @@ if available():
                     if not _meet(sync, n_threads, met):
                         break
                 elif code == ROPE:
-                    _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin)
+                    _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin, positions)
                 elif code == RMS_NORM:
                     weight, d = norms[ops[i, 5]], ops[i, 6]
                     for r in range(rows):
@@ -231,6 +253,9 @@ if available():
                             _swiglu_row(src, _row(values, b, r, shared, own), out, bits)
                         elif code == GELU_TANH_GATE:
                             _gelu_row(src, _row(values, b, r, shared, own), out, bits)
+            if th == 0 and not bad and sync[1] == 0:
+                for r in range(rows):
+                    result[r, :] = _row(values, output, r, shared, own)
 
 
 class Replay:
@@ -263,29 +288,49 @@ class Replay:
             if p.ops[i, 0] == MATMUL:
                 upcoming = p.ops[i, 5]
         self.prefetch_bytes = NEXT_PRODUCT_PREFETCH
+        table = p.embedding
+        compiled = getattr(table, "compiled", False) and get_rows.supports(table.raw, table.ggml_type, table.shape)
+        self.embedding = table.raw if compiled else np.zeros(0, np.uint8)   # Q8_0 rows: decoded in the replay
+        self.result_shape = (rows, int(p.values[p.output, 4]))
+        self.rope_cos = self.rope_sin = np.zeros((1, 1, 1), np.float32)
+        self._rope_of: list[np.ndarray] = []
 
     def run(self, inp, backend) -> np.ndarray | None:
         """The forward's result for `inp`, or None when the threads could not meet (the caller then
         runs the ordinary kernels, which write the same K/V again)."""
         p = self.program
         rows = p.rows
-        start, width = int(p.values[0, 1]), int(p.values[0, 4])
-        self.shared[start:start + rows * width] = backend.embedding(p.embedding, inp.token_ids).reshape(-1)
-        cos, sin = zip(*(backend.rope_rows(inp.positions, base, n_dims) for base, n_dims in p.rope_bases))
+        if self.embedding.shape[0] == 0:            # not Q8_0: the backend decodes the input rows
+            start, width = int(p.values[0, 1]), int(p.values[0, 4])
+            self.shared[start:start + rows * width] = backend.embedding(p.embedding, inp.token_ids).reshape(-1)
         meta = inp.attention
+        tables, ctx = meta.decode_tables[1:]
+        if p.caches:                                # a position is below its row's blocks * block size
+            self._rope_for(backend, tables.shape[1] * p.caches[0].shape[2])
         self.sync[:] = 0
         self.sync[2] = self.spin_limit
+        result = np.empty(self.result_shape, np.float32)
         _replay(p.ops, p.params, p.values, rows, self.n_threads, self.shared, self.private, self.sync,
                 self.codes, self.scales, self.offsets, self.layout, self.norms, self.caches,
-                np.stack(cos), np.stack(sin),
-                *meta.decode_tables[1:], np.ascontiguousarray(meta.slot_mapping, dtype=np.int64), *self.scratch,
-                self.next_matrix, self.prefetch_bytes)
+                self.rope_cos, self.rope_sin, tables, ctx, meta.slot_mapping, *self.scratch,
+                self.next_matrix, self.prefetch_bytes, inp.positions, inp.token_ids, self.embedding, get_rows.F16,
+                p.output, result)
+        if self.sync[3]:
+            backend.embedding(p.embedding, inp.token_ids)           # raises the IndexError that names the id
+            raise IndexError(f"a token id of {inp.token_ids.tolist()} is out of the embedding's range")
         if self.sync[1]:
             return None
-        space, offset, stride, col0, width = (int(v) for v in p.values[p.output])
-        arena = self.shared if space == SHARED else self.private[0]
-        out = arena[offset:offset + rows * stride].reshape(rows, stride)[:, col0:col0 + width]
-        return out.copy().reshape(p.output_shape)
+        return result if self.result_shape == p.output_shape else result.reshape(p.output_shape)
+
+    def _rope_for(self, backend, max_pos: int) -> None:
+        """self.rope_cos/sin: [base, position, n_dims // 2] for positions up to max_pos (kept until
+        a longer context makes the backend grow its tables)."""
+        tables = [backend.rope_table(base, n_dims, max_pos) for base, n_dims in self.program.rope_bases]
+        if len(tables) != len(self._rope_of) or any(t[0] is not held for t, held in zip(tables, self._rope_of)):
+            size = min(t[0].shape[0] for t in tables)
+            self.rope_cos = np.ascontiguousarray(np.stack([t[0][:size] for t in tables]))
+            self.rope_sin = np.ascontiguousarray(np.stack([t[1][:size] for t in tables]))
+            self._rope_of = [t[0] for t in tables]
 
 
 def threading_layer() -> str:
@@ -314,4 +359,6 @@ def warm_up() -> None:
     sync = np.zeros(SYNC_CLAIMS + n, np.int64)
     sync[2] = spin_barrier.SPIN_LIMIT
     _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32), sync,
-            *weights, norms, caches, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0)
+            *weights, norms, caches, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0,
+            np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.uint8), get_rows.F16, 1,
+            np.zeros((1, 16), np.float32))
