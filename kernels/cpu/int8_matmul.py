@@ -27,7 +27,6 @@ Only built where the CPU has AVX-512 VNNI (llvmlite reports the host's features)
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +54,9 @@ ROWS = 3            # input rows a micro-kernel call: 4 rows x 2 levels x 2 halv
 # 2 cores of a Xeon whose OpenBLAS sgemv streams ~29; with it they ran at 25-28 (2, 4 and 12
 # KiB ahead, or into L1, were no better; the scales' own prefetch added nothing).
 PREFETCH_VECTORS = 128
+# Passes of this many rows and more code their inputs in parallel; fewer (decode, the logits of a
+# few rows) on the calling thread, without a second parallel region a product.
+PARALLEL_CODING_ROWS = 8
 
 
 def available() -> bool:
@@ -283,26 +285,47 @@ if available():
     _tile_rows_block = _tile_kernel(ROWS, LEVELS)
     _tile_rows1 = _tile_kernel(1, LEVELS)
 
+    @intrinsic
+    def _bits_of(typingctx, x):
+        """The int32 bit pattern of the float32 x."""
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.int32(types.float32), codegen
+
+    @intrinsic
+    def _float_of(typingctx, u):
+        """The float32 whose bit pattern is the int32 u."""
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(types.int32), codegen
+
     @njit(inline="always")
     def _fp16_round(x):  # pragma: no cover - compiled
-        """x rounded to the nearest float16 (ties to even), as GGML_FP32_TO_FP16 stores it."""
+        """x rounded to the nearest float16 (ties to even), as GGML_FP32_TO_FP16 stores it: on the
+        bits, keeping 10 of float32's 23 mantissa bits (the same values as frexp/ldexp on 20 M random
+        floats; a row's two-level coding 15-23 % faster)."""
         a = abs(x)
         if a >= 65520.0:
             r = np.float32(np.inf)
         elif a < 6.103515625e-05:                       # float16 subnormals: multiples of 2**-24
-            r = np.float32(np.rint(a * 16777216.0) / 16777216.0)
-        else:                                           # keep 11 significant bits: a in [2**(e-1), 2**e)
-            e = math.frexp(a)[1]
-            r = np.float32(math.ldexp(np.rint(math.ldexp(a, 11 - e)), e - 11))
+            r = np.float32(np.rint(a * np.float32(16777216.0)) * np.float32(5.9604645e-08))
+        else:
+            u = _bits_of(np.float32(a))
+            r = _float_of((u + np.int32(0x0FFF) + ((u >> np.int32(13)) & np.int32(1))) & np.int32(-8192))
         return r if x >= 0 else -r
 
     @njit(nogil=True, cache=True)
     def _quantize_two_levels(x, group, qx, dx, sx, qsum):  # pragma: no cover - compiled
         """Level 0 as ggml's quantize_row_q8_0; level 1 the same coding of what level 0 leaves
         (x - d0 * q0); s the float32 sum of x over the group."""
-        rows, k_in = x.shape
+        _quantize_row_range(x, group, qx, dx, sx, qsum, 0, x.shape[0])
+
+    @njit(nogil=True, cache=True)
+    def _quantize_row_range(x, group, qx, dx, sx, qsum, r0, r1):  # pragma: no cover - compiled
+        """_quantize_two_levels of rows r0 <= r < r1."""
+        k_in = x.shape[1]
         rest = np.empty(group, np.float32)
-        for r in range(rows):
+        for r in range(r0, r1):
             for g in range(k_in // group):
                 amax = np.float32(0.0)
                 total_x = np.float32(0.0)
@@ -339,7 +362,11 @@ if available():
         dx = np.empty((LEVELS, rows, groups), np.float32)
         sx = np.empty((rows, groups), np.float32)
         qsum = np.empty((LEVELS, rows, groups), np.int32)
-        _quantize_two_levels(x, group, qx, dx, sx, qsum)
+        if rows >= PARALLEL_CODING_ROWS:       # a prompt's rows: coded on every thread
+            for r in prange(rows):
+                _quantize_row_range(x, group, qx, dx, sx, qsum, r, r + 1)
+        else:
+            _quantize_two_levels(x, group, qx, dx, sx, qsum)
         qbias = qsum * np.int32(bias)
         full = rows // ROWS * ROWS
         for t in prange(out.shape[1] // TILE):
