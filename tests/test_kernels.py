@@ -246,6 +246,29 @@ def test_store_kv_writes_slots(ops):
     assert np.count_nonzero(k_cache.transpose(1, 2, 0, 3).reshape(12, -1).any(axis=1)) == 3
 
 
+
+def test_f16_store_of_an_8_bit_backend_equals_numpys_float16():
+    """The compiled store (rounding each row to float16 as F16C does) holds what numpy's
+    astype(float16) gives, for K/V rows read out of a wider product's output (not contiguous)."""
+    from kernels.cpu import decode_attention, int8_matmul
+    if not (decode_attention.available() and int8_matmul.available()):
+        pytest.skip("needs numba and a CPU with AVX-512 VNNI")
+    ops = CPUBackend(quantized_matmul=True, int8=True)
+    ops.plan_weights({int(GGMLQuantizationType.Q8_0)})
+    assert ops.int8_matmul
+    rng = np.random.default_rng(21)
+    qkv = (rng.standard_normal((40, 5, 16)) * 10.0 ** rng.integers(-9, 4, (40, 5, 16))).astype(np.float32)
+    qkv[0, 3, :4] = [1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 2.0 ** -25, 0.0]     # ties and a subnormal
+    k, v = qkv[:, 3:4], qkv[:, 4:5]                     # [tokens, 1 KV head, 16], strided
+    slots = rng.permutation(64)[:40]
+    k_cache, v_cache = ops.alloc_kv(16, 4, 1, 16)
+    ops.store_kv(k_cache, v_cache, k, v, slots)
+    flat_k, flat_v = k_cache.reshape(1, 64, 16), v_cache.reshape(1, 64, 16)
+    np.testing.assert_array_equal(flat_k[0, slots].view(np.uint32),
+                                  k[:, 0].astype(np.float16).astype(np.float32).view(np.uint32))
+    np.testing.assert_array_equal(flat_v[0, slots].view(np.uint32),
+                                  v[:, 0].astype(np.float16).astype(np.float32).view(np.uint32))
+
 @pytest.mark.parametrize("ctx", [1, 5, 16, 37])
 def test_single_prefill_matches_naive_causal(ops, ctx):
     Paged(ops, [(ctx, ctx)], n_heads=4, n_kv=4, dim=16, block_size=16, shuffle=False).check(scale=0.25)

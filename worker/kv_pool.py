@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,8 +59,10 @@ class KVPool:
     def __init__(self, config: ModelConfig, capacity: KVCapacity, ops: Backend):
         self.capacity = capacity
         self.ops = ops
+        t0 = time.perf_counter()
         self.caches = [ops.alloc_kv(capacity.num_blocks, capacity.block_size, config.n_kv_heads, config.head_dim)
                        for _ in range(config.n_layers)]
+        log.info("KV cache allocated (%d layers) in %.2f s", config.n_layers, time.perf_counter() - t0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks src -> dst in every layer (all sources are read before any is written)."""

@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_port, default=_env("TS_WORKER_PORT", "0"),
                         help="gRPC port; 0 picks a free one and prints it [env TS_WORKER_PORT, default 0]")
     parser.add_argument("--kv-memory", type=parse_size, default=_env("TS_KV_MEMORY", DEFAULT_KV_MEMORY),
-                        help="memory for the KV block pool: bytes or e.g. 512MiB, 2GiB "
+                        help="memory for the KV block pool, allocated and made resident at start as "
+                             "llama.cpp's KV buffer is: bytes or e.g. 512MiB, 2GiB "
                              f"[env TS_KV_MEMORY, default {DEFAULT_KV_MEMORY}]")
     parser.add_argument("--block-size", type=_positive_int, default=_env("TS_BLOCK_SIZE", "16"),
                         help="tokens per KV block [env TS_BLOCK_SIZE, default 16]")

@@ -13,7 +13,7 @@ import numpy as np
 from kernels import AttentionMetadata
 from kernels.cpu import (attention, decode_attention, elementwise, get_rows, graph_capture, graph_replay, int8_matmul,
                          quantized)
-from kernels.cpu.arena import HugePageArena
+from kernels.cpu.arena import HugePageArena, resident_zeros
 from kernels.cpu.int8_matmul import Int8Matrix
 from kernels.cpu.quantized import QuantizedMatrix
 from shared.dequant import dequantize_rows
@@ -288,12 +288,15 @@ class CPUBackend:
         # [kv_heads, blocks, block_size, head_dim]: gathering a block table yields each KV head's
         # keys as one contiguous [tokens, head_dim] matrix, ready for matmul without a transpose copy
         shape = (n_kv_heads, num_blocks, block_size, head_dim)
-        return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        return resident_zeros(shape), resident_zeros(shape)
 
     def store_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
                  slot_mapping: np.ndarray) -> None:
         n_kv, n_blocks, block_size, dim = k_cache.shape
         if self.int8_matmul:        # llama.cpp's f16 KV cache: the values it holds, kept as float32
+            if decode_attention.available():
+                decode_attention.store_half(k_cache, v_cache, k, v, slot_mapping)
+                return
             k, v = k.astype(np.float16), v.astype(np.float16)
         k_cache.reshape(n_kv, n_blocks * block_size, dim)[:, slot_mapping] = k.transpose(1, 0, 2)
         v_cache.reshape(n_kv, n_blocks * block_size, dim)[:, slot_mapping] = v.transpose(1, 0, 2)

@@ -144,6 +144,27 @@ def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g
             out[b, first_head + g, d] = acc_out[g, d] * inv
 
 
+
+def store_half(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
+    """k, v [tokens, kv heads, d] into the caches' slots, rounded to float16 (round_to_half) as
+    llama.cpp's f16 cache holds them: numpy's astype(float16) and a fancy-indexed copy of the
+    transposed rows took 3.3 ms a SmolLM2 layer for a 512-token prompt."""
+    slots = np.ascontiguousarray(slots, dtype=np.int64)
+    _store_rows(k_cache, k, slots, np.empty(k_cache.shape[3], np.float32))
+    _store_rows(v_cache, v, slots, np.empty(v_cache.shape[3], np.float32))
+
+
+def _store_rows(cache, rows, slots, scratch):  # pragma: no cover - numba
+    block_size, dim = cache.shape[2], cache.shape[3]
+    for t in range(rows.shape[0]):
+        block, offset = slots[t] // block_size, slots[t] % block_size
+        for h in range(cache.shape[0]):
+            for d in range(dim):
+                scratch[d] = rows[t, h, d]
+            round_to_half(scratch)
+            for d in range(dim):
+                cache[h, block, offset, d] = scratch[d]
+
 def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
     n_seqs = q.shape[0]
     n_kv = k_cache.shape[0]
@@ -157,6 +178,7 @@ def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out
 
 
 if available():
+    _store_rows = njit(cache=True, nogil=True)(_store_rows)
     _softmax_numerators = njit(fastmath=True, cache=True, nogil=True)(_softmax_numerators)
     attend = njit(fastmath=True, cache=True, nogil=True)(attend)
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None
