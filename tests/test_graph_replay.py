@@ -21,6 +21,16 @@ def prefill(runner, seq_id, tokens, first_block):
     return table
 
 
+def smollm2_prefilled(engines, seq_id, first_block):
+    """SmolLM2's runner with the first fixture prompt prefilled (kernel by kernel): (runner,
+    prompt, block table); skips where its products are not in 8-bit integers."""
+    runner = engines("smollm2-135m").runner
+    if not runner.ops.int8_matmul:
+        pytest.skip("the model's products are not in 8-bit integers here")
+    prompt = load_fixture("smollm2-135m")["generate"][0]["prompt_tokens"]
+    return runner, prompt, prefill(runner, seq_id, prompt, first_block)
+
+
 def decode_chunks(sequences, step):
     return [SeqChunk(seq_id, np.array([token + step], np.int64), len(prompt) + step, table, len(prompt),
                      sample=False)
@@ -113,12 +123,8 @@ def test_threads_that_cannot_meet_fall_back_to_the_kernels(engines, monkeypatch,
     """A replay planned for one thread more than numba runs: two of its iterations share a thread,
     the first waits at the barrier for the second, gives up, and the pass runs kernel by kernel
     with the same result; replays then stay off."""
-    runner = engines("smollm2-135m").runner
+    runner, prompt, table = smollm2_prefilled(engines, 980, 650)
     ops = runner.ops
-    if not ops.int8_matmul:
-        pytest.skip("the model's products are not in 8-bit integers here")
-    prompt = load_fixture("smollm2-135m")["generate"][0]["prompt_tokens"]
-    table = prefill(runner, 980, prompt, 650)
     sequences = [(980, prompt, table, 4321)]
     ops.graph_replay = True
     expected = runner.forward_logits(decode_chunks(sequences, 0))
@@ -141,12 +147,8 @@ def test_threads_that_cannot_meet_fall_back_to_the_kernels(engines, monkeypatch,
 def test_a_token_out_of_range_in_a_replay_is_an_index_error(engines):
     """The replay decodes its input rows itself (Q8_0 tables): an id past the vocabulary stops it
     before any thread reads a row, with the backend's IndexError; replays stay on."""
-    runner = engines("smollm2-135m").runner
+    runner, prompt, table = smollm2_prefilled(engines, 985, 700)
     ops = runner.ops
-    if not ops.int8_matmul:
-        pytest.skip("the model's products are not in 8-bit integers here")
-    prompt = load_fixture("smollm2-135m")["generate"][0]["prompt_tokens"]
-    table = prefill(runner, 985, prompt, 700)
     vocab = runner.config.vocab_size
     ops.graph_replay = True
     good = runner.forward_logits(decode_chunks([(985, prompt, table, 17)], 0))

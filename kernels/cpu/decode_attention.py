@@ -147,8 +147,8 @@ def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g
 
 def store_half(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
     """k, v [tokens, kv heads, d] into the caches' slots, rounded to float16 (round_to_half) as
-    llama.cpp's f16 cache holds them: numpy's astype(float16) and a fancy-indexed copy of the
-    transposed rows took 3.3 ms a SmolLM2 layer for a 512-token prompt."""
+    llama.cpp's f16 cache holds them: 0.17 ms a 512-token SmolLM2 layer, where numpy's
+    astype(float16) and fancy-indexed copy of the transposed rows took 1.05 ms."""
     slots = np.ascontiguousarray(slots, dtype=np.int64)
     _store_rows(k_cache, k, slots, np.empty(k_cache.shape[3], np.float32))
     _store_rows(v_cache, v, slots, np.empty(v_cache.shape[3], np.float32))

@@ -305,7 +305,7 @@ class Replay:
             self.shared[start:start + rows * width] = backend.embedding(p.embedding, inp.token_ids).reshape(-1)
         meta = inp.attention
         tables, ctx = meta.decode_tables[1:]
-        if p.caches:                                # a position is below its row's blocks * block size
+        if p.rope_bases and p.caches:               # a position is below its row's blocks * block size
             self._rope_for(backend, tables.shape[1] * p.caches[0].shape[2])
         self.sync[:] = 0
         self.sync[2] = self.spin_limit
