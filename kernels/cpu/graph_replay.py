@@ -43,6 +43,10 @@ CLAIM = 4           # tiles a thread takes at a time: 72-256 KiB of codes
 # scales) before it waits at the barrier: in-process A/Bs on a Zen 4 EPYC, Gemma 3 decode steps
 # -3.6/-6.0/-5.0 %, SmolLM2 -5/-0.8 %; 8 KiB was as good for SmolLM2, 16 KiB worse.
 NEXT_PRODUCT_PREFETCH = 4096
+# A thread waiting at a meeting asks for up to this many bytes of its share of the next product
+# (spin_barrier.meet_prefetching): in-process A/Bs on a Zen 5 EPYC, SmolLM2 replays -2.6/-1.6/
+# -0.9 %, Gemma 3 -0.0/-1.4/+0.3 % (128 KiB: SmolLM2 -2.0/-1.5, Gemma 3 -1.5/+0.8; 16-32 KiB less).
+WAIT_PREFETCH = 65536
 
 
 def available() -> bool:
@@ -53,6 +57,7 @@ if available():
     _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
     _quantize, _ROWS, _TILE = int8_matmul._quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
+    _meet_prefetching = spin_barrier.meet_prefetching
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
     _embedding_row = get_rows.q8_0_row
@@ -190,12 +195,24 @@ if available():
         for at in range(s0, min(s0 + n_bytes // 8, w_scale.shape[0]), 16):
             _prefetch(w_scale, at)
 
+    @njit(inline="always")
+    def _meet_ahead(sync, n_threads, met, w, th, codes, layout, skip, n_bytes):  # pragma: no cover - compiled
+        """Meeting number met, prefetching this thread's share of matrix w's codes from `skip` to
+        `n_bytes` bytes into it while waiting (w < 0: a plain meeting)."""
+        if w < 0 or n_bytes <= skip:
+            return _meet(sync, n_threads, met)
+        n_tiles, k_in = layout[w, 2], layout[w, 3]
+        w_codes = codes[w]
+        start = n_tiles * th // n_threads * k_in * _TILE
+        end = min(start + n_bytes, n_tiles * (th + 1) // n_threads * k_in * _TILE)
+        return _meet_prefetching(sync, n_threads, met, w_codes, start + skip, end)
+
     @njit(parallel=True, cache=True, nogil=True)
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, codes, scales, offsets,
                 layout,
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes,
-                positions, token_ids, embedding, f16, output, result):  # pragma: no cover
+                positions, token_ids, embedding, f16, output, result, wait_prefetch):  # pragma: no cover
         for th in prange(n_threads):
             own = private[th]
             bits = bits_s[th]
@@ -221,13 +238,14 @@ if available():
                     if prefetch_bytes > 0 and next_matrix[i] >= 0:
                         _prefetch_start(next_matrix[i], th, n_threads, codes, scales, layout, prefetch_bytes)
                     met += 1
-                    if not _meet(sync, n_threads, met):
+                    if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, codes, layout, prefetch_bytes,
+                                       wait_prefetch):
                         break
                 elif code == ATTENTION:
                     _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
                                slots, scratch)
                     met += 1
-                    if not _meet(sync, n_threads, met):
+                    if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, codes, layout, 0, wait_prefetch):
                         break
                 elif code == ROPE:
                     _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin, positions)
@@ -288,6 +306,7 @@ class Replay:
             if p.ops[i, 0] == MATMUL:
                 upcoming = p.ops[i, 5]
         self.prefetch_bytes = NEXT_PRODUCT_PREFETCH
+        self.wait_prefetch = WAIT_PREFETCH
         table = p.embedding
         compiled = getattr(table, "compiled", False) and get_rows.supports(table.raw, table.ggml_type, table.shape)
         self.embedding = table.raw if compiled else np.zeros(0, np.uint8)   # Q8_0 rows: decoded in the replay
@@ -314,7 +333,7 @@ class Replay:
                 self.codes, self.scales, self.offsets, self.layout, self.norms, self.caches,
                 self.rope_cos, self.rope_sin, tables, ctx, meta.slot_mapping, *self.scratch,
                 self.next_matrix, self.prefetch_bytes, inp.positions, inp.token_ids, self.embedding, get_rows.F16,
-                p.output, result)
+                p.output, result, self.wait_prefetch)
         if self.sync[3]:
             backend.embedding(p.embedding, inp.token_ids)           # raises the IndexError that names the id
             raise IndexError(f"a token id of {inp.token_ids.tolist()} is out of the embedding's range")
@@ -361,4 +380,4 @@ def warm_up() -> None:
     _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32), sync,
             *weights, norms, caches, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0,
             np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.uint8), get_rows.F16, 1,
-            np.zeros((1, 16), np.float32))
+            np.zeros((1, 16), np.float32), 0)
