@@ -44,7 +44,7 @@ CLAIM = 4           # tiles a thread takes at a time: 72-256 KiB of codes
 # -3.6/-6.0/-5.0 %, SmolLM2 -5/-0.8 %; 8 KiB was as good for SmolLM2, 16 KiB worse.
 NEXT_PRODUCT_PREFETCH = 4096
 # A thread waiting at a meeting asks for up to this many bytes of its share of the next product
-# (spin_barrier.meet_prefetching): in-process A/Bs on a Zen 5 EPYC, SmolLM2 replays -2.6/-1.6/
+# (spin_barrier.meet): in-process A/Bs on a Zen 5 EPYC, SmolLM2 replays -2.6/-1.6/
 # -0.9 %, Gemma 3 -0.0/-1.4/+0.3 % (128 KiB: SmolLM2 -2.0/-1.5, Gemma 3 -1.5/+0.8; 16-32 KiB less).
 WAIT_PREFETCH = 65536
 
@@ -57,7 +57,6 @@ if available():
     _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
     _quantize, _ROWS, _TILE = int8_matmul._quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
-    _meet_prefetching = spin_barrier.meet_prefetching
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
     _embedding_row = get_rows.q8_0_row
@@ -200,12 +199,12 @@ if available():
         """Meeting number met, prefetching this thread's share of matrix w's codes from `skip` to
         `n_bytes` bytes into it while waiting (w < 0: a plain meeting)."""
         if w < 0 or n_bytes <= skip:
-            return _meet(sync, n_threads, met)
+            return _meet(sync, n_threads, met, codes[0], 0, 0)
         n_tiles, k_in = layout[w, 2], layout[w, 3]
         w_codes = codes[w]
         start = n_tiles * th // n_threads * k_in * _TILE
         end = min(start + n_bytes, n_tiles * (th + 1) // n_threads * k_in * _TILE)
-        return _meet_prefetching(sync, n_threads, met, w_codes, start + skip, end)
+        return _meet(sync, n_threads, met, w_codes, start + skip, end)
 
     @njit(parallel=True, cache=True, nogil=True)
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, codes, scales, offsets,

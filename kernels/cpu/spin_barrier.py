@@ -85,27 +85,10 @@ if available():
         return sig, codegen
 
     @njit(inline="always")
-    def meet(sync, n_threads, k):  # pragma: no cover - compiled
-        """Meeting number k (1, 2, ...) of n_threads threads: True once all arrived, False if aborted."""
-        if n_threads == 1:
-            return True
-        atomic_add(sync, 0, 1)
-        target = k * n_threads
-        spins = 0
-        while atomic_load(sync, 0) < target:
-            if atomic_load(sync, 1) != 0:
-                return False
-            spins += 1
-            if spins > sync[2]:
-                atomic_add(sync, 1, 1)
-                return False
-            spin_pause()
-        return True
-
-    @njit(inline="always")
-    def meet_prefetching(sync, n_threads, k, ahead, at, end):  # pragma: no cover - compiled
-        """meet, asking for the bytes ahead[at:end] into L2 while it waits (four lines a spin
-        instead of a pause): a thread that arrives first streams what it reads next."""
+    def meet(sync, n_threads, k, ahead, at, end):  # pragma: no cover - compiled
+        """Meeting number k (1, 2, ...) of n_threads threads: True once all arrived, False if aborted.
+        While it waits it asks for the bytes ahead[at:end] into L2, four lines a spin instead of a
+        pause (at >= end: none): a thread that arrives first streams what it reads next."""
         if n_threads == 1:
             return True
         atomic_add(sync, 0, 1)
