@@ -66,9 +66,9 @@ class BandwidthProbe:
     process's peak RSS), so a probe between two decode segments costs ~0.2 s."""
 
     def __init__(self) -> None:
-        # OpenBLAS's threads spin after a call (2**28 cycles by default): left so, the probe's take a core
+        # OpenBLAS's threads keep spinning after a call (until its thread timeout): the probe's took a core
         # from the decode segment that follows it (an 8-bit product right after an sgemv streamed at
-        # 25 GB/s instead of 40, on the Zen 5 EPYC of docs/BENCHMARKS.md); with 2**4 cycles they sleep
+        # 25 GB/s instead of 40, on the Zen 5 EPYC of docs/BENCHMARKS.md); with the smallest timeout they sleep at once
         env = {**os.environ, "OPENBLAS_THREAD_TIMEOUT": "4"}
         self.proc = subprocess.Popen([sys.executable, __file__, "--bandwidth-probe"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)

@@ -154,16 +154,20 @@ def store_half(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.nd
     _store_rows(v_cache, v, slots, np.empty(v_cache.shape[3], np.float32))
 
 
+def store_half_row(src, dst, scratch):  # pragma: no cover - numba
+    """dst[:] = src rounded to float16, written once with its final values (a replay's threads may
+    store the same row together)."""
+    scratch[:] = src
+    round_to_half(scratch)
+    dst[:] = scratch
+
+
 def _store_rows(cache, rows, slots, scratch):  # pragma: no cover - numba
-    block_size, dim = cache.shape[2], cache.shape[3]
+    block_size = cache.shape[2]
     for t in range(rows.shape[0]):
         block, offset = slots[t] // block_size, slots[t] % block_size
         for h in range(cache.shape[0]):
-            for d in range(dim):
-                scratch[d] = rows[t, h, d]
-            round_to_half(scratch)
-            for d in range(dim):
-                cache[h, block, offset, d] = scratch[d]
+            store_half_row(rows[t, h], cache[h, block, offset], scratch)
 
 def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
     n_seqs = q.shape[0]
@@ -178,6 +182,7 @@ def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out
 
 
 if available():
+    store_half_row = njit(inline="always")(store_half_row)
     _store_rows = njit(cache=True, nogil=True)(_store_rows)
     _softmax_numerators = njit(fastmath=True, cache=True, nogil=True)(_softmax_numerators)
     attend = njit(fastmath=True, cache=True, nogil=True)(attend)

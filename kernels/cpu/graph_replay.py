@@ -57,6 +57,7 @@ if available():
     _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
     _quantize, _ROWS, _TILE = int8_matmul._quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
+    _store_half = decode_attention.store_half_row
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
     _embedding_row = get_rows.q8_0_row
@@ -122,13 +123,6 @@ if available():
                         _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
                     for r0 in range(full, rows):
                         _tile_one(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
-
-    @njit(inline="always")
-    def _store_half(src, dst, scratch):  # pragma: no cover - compiled
-        """dst[:] = src rounded to float16, written once with its final values."""
-        scratch[:] = src
-        _round_to_half(scratch)
-        dst[:] = scratch
 
     @njit(inline="always")
     def _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
