@@ -89,6 +89,10 @@ class Backend(Protocol):
     def run_forward(self, model: Any, inp: Any) -> Array:
         """model.forward(inp) (worker/models): a backend may capture the pass's graph once per
         shape and replay it compiled, as the CPU backend does for decode passes of a few rows."""
+    def run_logits(self, model: Any, inp: Any) -> tuple[Array, np.ndarray | None]:
+        """model.logits(model.forward(inp)) (every row of the pass an output row), and each row's
+        argmax where the backend computed it on the way (-1: a row with a NaN or infinite logit),
+        else None."""
     def asarray(self, x: np.ndarray) -> Array: ...
     def to_numpy(self, x: Array) -> np.ndarray: ...
     def prepare_weight(self, w: np.ndarray, encoded: list[tuple[np.ndarray, int, tuple[int, int]]] | None = None

@@ -69,6 +69,80 @@ def test_replayed_decode_steps_equal_the_kernels(model, rows, engines):
                 np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_replayed_logits_bring_their_argmax_and_forwards_replay_alone(model, engines):
+    """run_logits replays the forward and the logits product as one program and finds each row's
+    argmax on the way; run_forward replays the forward alone (its own program): both give what
+    the kernels give."""
+    runner = engines(model).runner
+    ops = runner.ops
+    if not ops.int8_matmul:
+        pytest.skip("the model's products are not in 8-bit integers here")
+    prompts = [c["prompt_tokens"] for c in load_fixture(model)["generate"][:2]]
+    tables = [prefill(runner, 920 + i, p, 450 + 120 * i) for i, p in enumerate(prompts)]
+    sequences = [(920 + i, p, t, 2000 + 11 * i) for i, (p, t) in enumerate(zip(prompts, tables))]
+    inp, _ = runner._pack(decode_chunks(sequences, 0))
+    ops.graph_replay = True
+    logits, argmax = ops.run_logits(runner.model, inp)
+    hidden = ops.run_forward(runner.model, inp)
+    kinds = {key[3] for key, replay in ops._replays.items() if key[1] == 2 and replay is not None}
+    assert kinds == {False, True}, "the logits and the hidden states were not both replayed"
+    ops.graph_replay = False
+    try:
+        np.testing.assert_array_equal(hidden, ops.run_forward(runner.model, inp))
+        plain_logits, no_argmax = ops.run_logits(runner.model, inp)
+    finally:
+        ops.graph_replay = True
+    np.testing.assert_array_equal(logits, plain_logits)
+    assert no_argmax is None
+    np.testing.assert_array_equal(argmax, np.argmax(logits, axis=1))
+
+
+class _InputRows:
+    """Stands in for the backend of a replay whose input table has no Q8_0 rows: it hands over the rows."""
+
+    def __init__(self, rows: np.ndarray):
+        self.rows = rows
+
+    def embedding(self, table, ids):
+        return self.rows
+
+
+def test_replayed_argmax_is_numpys_first_maximum_and_flags_nan_and_inf():
+    """The output of a one-operation logits program (x * 1.0): each row copied out bit for bit, and
+    its argmax as numpy's (first maximum, -0.0 equal to 0.0) or -1 where a value is NaN or infinite;
+    rows of 5000 split between the threads in blocks of 512 with a short last one."""
+    from kernels import AttentionMetadata
+    from kernels.cpu.graph_capture import PRIVATE, SCALE, SHARED
+    from worker.models.base import ForwardInput
+    rows, width = 4, 5000
+    rng = np.random.default_rng(5)
+    values = np.array([[SHARED, 0, width, 0, width], [PRIVATE, 0, width, 0, width]], np.int64)
+    program = graph_capture.Program(rows, np.array([[SCALE, 1, 0, 0, 0, 0, 0, 0, 0]], np.int64),
+                                    np.array([[1.0, 0.0]]), values, rows * width, rows * width, None, 1,
+                                    (rows, width), logits=True)
+    replay = graph_replay.Replay(program)
+    meta = AttentionMetadata.for_decode(np.ones(rows, np.int64), np.zeros((rows, 1), np.int64),
+                                        np.zeros(rows, np.int64))
+    inp = ForwardInput(np.zeros(rows, np.int64), np.zeros(rows, np.int64), meta, np.arange(rows))
+
+    def run(x):
+        result, argmax = replay.run(inp, _InputRows(x))
+        np.testing.assert_array_equal(result.view(np.int32), x.view(np.int32))
+        return argmax
+
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    x[0, [700, 4100]] = 9.0                      # a tie across the threads' halves: the first
+    x[1, [2600, 2601]] = 9.0                     # a tie in the second half
+    x[2, width - 1] = 9.0                        # the last value of the short last block
+    x[3] = -np.abs(x[3])
+    x[3, [30, 3000]] = [-0.0, 0.0]               # maximum 0: -0.0 comes first, numpy picks it
+    assert np.argmax(x, axis=1).tolist() == [700, 2600, width - 1, 30]
+    assert run(x).tolist() == [700, 2600, width - 1, 30]
+    x[0, 10], x[1, 4999], x[2, 2500] = np.inf, np.nan, -np.inf
+    assert run(x).tolist() == [-1, -1, -1, 30]
+
+
 def test_gemma_window_is_kept_in_replays(engines):
     """A decode at position > 512 on Gemma 3's sliding-window layers sees the last 512 keys only."""
     runner = engines("gemma3-270m").runner

@@ -253,6 +253,26 @@ def test_greedy_is_argmax_with_lowest_id_tie_break():
     assert [g.bit_generator.state for g in gens] == states
 
 
+def test_plain_greedy_rows_take_the_backends_argmax_and_check_the_rows_it_flags():
+    """An argmax computed with the logits (the CPU backend's replayed decode passes) is the greedy
+    rows' token when every row is plain greedy; a row it flags (-1: NaN or infinity in the row) or
+    a batch with other rows gets the sampler's own argmax and checks."""
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal((3, 300)).astype(np.float32)
+    given = logits.argmax(axis=1)
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    out = Sampler().sample(logits, greedy, [[]] * 3, [[]] * 3, [None] * 3, argmax=given)
+    assert out.token_ids is given and np.isnan(out.logprobs).all()
+    flagged = logits.copy()
+    flagged[1, 7] = np.nan
+    with pytest.raises(ValueError, match="logits row 1 has no finite maximum"):
+        Sampler().sample(flagged, greedy, [[]] * 3, [[]] * 3, [None] * 3, argmax=np.array([given[0], -1, given[2]]))
+    mixed = greedy[:2] + [SamplingParams(temperature=0.0, logprobs=1)]
+    out = Sampler().sample(logits, mixed, [[]] * 3, [[]] * 3, [None] * 3, argmax=np.array([5, 6, 7]))
+    np.testing.assert_array_equal(out.token_ids, given)     # not plain greedy: its own argmax
+    assert np.isfinite(out.logprobs[2])
+
+
 def test_mixed_batch_greedy_and_sampled():
     logits = np.tile(LOGITS8, (4, 1))
     logits[2, 5] = 100.0   # row 2 sampled but effectively deterministic

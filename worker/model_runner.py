@@ -77,8 +77,13 @@ class ModelRunner:
                 c.token_ids = np.array([state.last_sampled], np.int64)
         inp, score_rows = self._pack(chunks)
         self.ops.begin_pass(len(inp.token_ids))
-        hidden = self.ops.run_forward(self.model, inp)
         results = [SeqResult(c.seq_id) for c in chunks]
+        if all(c.sample and not c.score_top_k for c in chunks):     # one output row a chunk, all sampled
+            logits, greedy = self.ops.run_logits(self.model, inp)
+            self._sample(chunks, self.ops.to_numpy(logits), results, greedy)
+            self.tokens_computed += len(inp.token_ids)
+            return StepResult(results, len(inp.token_ids))
+        hidden = self.ops.run_forward(self.model, inp)
 
         # rows of `hidden`: per chunk either its last token, or all of its tokens when scoring
         offset = 0
@@ -93,11 +98,12 @@ class ModelRunner:
                 sample_idx.append(i)
                 sample_rows.append(offset + n_rows - 1)
             offset += n_rows
-        if len(sample_idx) == len(chunks) == hidden.shape[0]:       # a decode step: every row, in order
-            self._sample(chunks, hidden, results)
-        elif sample_idx:
-            self._sample([chunks[i] for i in sample_idx], hidden[np.array(sample_rows)],
-                         [results[i] for i in sample_idx])
+        if sample_idx:
+            # the logits product goes where its own row count says: a prompt chunk's one sampled row
+            # reads the output matrix's codes (a quarter of its float32 bytes), not OpenBLAS's gemv
+            self.ops.begin_pass(len(sample_rows))
+            logits = self.ops.to_numpy(self.model.logits(hidden[np.array(sample_rows)]))
+            self._sample([chunks[i] for i in sample_idx], logits, [results[i] for i in sample_idx])
         self.tokens_computed += len(inp.token_ids)
         return StepResult(results, len(inp.token_ids))
 
@@ -106,7 +112,7 @@ class ModelRunner:
         when score_top_k is set), without sampling: for tests and debugging."""
         inp, _ = self._pack(chunks)
         self.ops.begin_pass(len(inp.token_ids))
-        return self.ops.to_numpy(self.model.logits(self.ops.run_forward(self.model, inp)))
+        return self.ops.to_numpy(self.ops.run_logits(self.model, inp)[0])
 
     def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
         if self.config.causal and all(len(c.token_ids) == 1 and not c.score_top_k for c in chunks):
@@ -177,11 +183,9 @@ class ModelRunner:
         state.tokens.extend(int(t) for t in c.token_ids)
         state.prompt_len = c.prompt_len
 
-    def _sample(self, chunks: list[SeqChunk], hidden: np.ndarray, results: list[SeqResult]) -> None:
-        # the logits product goes where its own row count says: a prompt chunk's one sampled row
-        # reads the output matrix's codes (a quarter of its float32 bytes), not OpenBLAS's gemv
-        self.ops.begin_pass(hidden.shape[0])
-        logits = self.ops.to_numpy(self.model.logits(hidden))
+    def _sample(self, chunks: list[SeqChunk], logits: np.ndarray, results: list[SeqResult],
+                greedy: np.ndarray | None = None) -> None:
+        """`greedy`: each row's argmax, where the backend computed it with the logits (-1: not usable)."""
         states = [self._seqs[c.seq_id] for c in chunks]
         params = []
         for c, s in zip(chunks, states):
@@ -192,7 +196,7 @@ class ModelRunner:
         out = self.sampler.sample(logits, params,
                                   [s.tokens[:s.prompt_len] if p.has_penalties else () for s, p in zip(states, params)],
                                   [s.tokens[s.prompt_len:] if p.has_penalties else () for s, p in zip(states, params)],
-                                  [s.generator for s in states])
+                                  [s.generator for s in states], greedy)
         for i, r in enumerate(results):
             r.token_id, r.logprob = int(out.token_ids[i]), float(out.logprobs[i])
             states[i].last_sampled = r.token_id

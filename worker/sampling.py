@@ -29,6 +29,7 @@ vocabulary took 0.37 ms cold on a Zen 4 core (docs/BENCHMARKS.md).  Other rows r
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -105,6 +106,14 @@ def _row_logsumexp(logits: np.ndarray, batch_rows: np.ndarray | None = None) -> 
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _no_logprobs(n: int) -> np.ndarray:
+    """NaN for each of n rows, made once per row count (read only)."""
+    out = np.full(n, np.nan, np.float32)
+    out.flags.writeable = False
+    return out
+
+
 def _plain_greedy(logits: np.ndarray) -> SampleOutput:
     """Argmax rows without penalties or logprobs: the decode step's common case in a few numpy
     calls, each slow after a step's weight streams have evicted the caches (a 1-element add: 24-38 us)."""
@@ -114,7 +123,7 @@ def _plain_greedy(logits: np.ndarray) -> SampleOutput:
         # argmax lands on the first NaN or on +inf, and on -inf only when the row is all -inf
         if not math.isfinite(logits[i, token_ids[i]]):
             _check_finite_max(logits[i], i)
-    return SampleOutput(token_ids=token_ids, logprobs=np.full(n, np.nan, np.float32),
+    return SampleOutput(token_ids=token_ids, logprobs=_no_logprobs(n),
                         top_ids=[None] * n, top_logprobs=[None] * n)
 
 
@@ -252,7 +261,10 @@ class Sampler:
         prompt_tokens: list[Sequence[int]],
         output_tokens: list[Sequence[int]],
         generators: list[np.random.Generator | None],
+        argmax: np.ndarray | None = None,
     ) -> SampleOutput:
+        """`argmax`: each row's first largest logit where the backend computed it with the logits
+        (-1 for a row with a NaN or infinite logit); greedy rows without penalties take it."""
         logits = np.asarray(logits, dtype=np.float32)
         if logits.ndim == 1:
             logits = logits[None, :]
@@ -265,6 +277,9 @@ class Sampler:
                 raise ValueError(f"{name} has {len(seq)} entries for {n} logits rows")
 
         if all(p.greedy and p.logprobs is None and not p.has_penalties for p in params):
+            if argmax is not None and len(argmax) == n and min(argmax.tolist()) >= 0:
+                return SampleOutput(token_ids=argmax, logprobs=_no_logprobs(n), top_ids=[None] * n,
+                                    top_logprobs=[None] * n)
             return _plain_greedy(logits)
         wanted = np.fromiter((p.logprobs is not None for p in params), dtype=bool, count=n)
         lse = np.full(n, np.nan)

@@ -72,7 +72,7 @@ class CPUBackend:
         self._rope_rows_of: dict[tuple[float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # TS_GRAPH_REPLAY=0: every pass calls the kernels one at a time
         self.graph_replay = _env_flag("TS_GRAPH_REPLAY") and graph_replay.available()
-        self._replays: dict[tuple[int, int, int], graph_replay.Replay | None] = {}
+        self._replays: dict[tuple[int, int, int, bool], graph_replay.Replay | None] = {}
         self._arena = HugePageArena()
 
     def warm_up(self) -> None:
@@ -120,25 +120,40 @@ class CPUBackend:
     def run_forward(self, model, inp) -> np.ndarray:
         """model.forward(inp), replayed from its captured program for decode passes of a few rows
         when every product is in 8-bit integers (one compiled call instead of ~300 kernel calls)."""
-        replay = self._replay_for(model, inp)
-        if replay is not None:
-            out = replay.run(inp, self)
-            if out is not None:
-                return out
+        replayed = self._replayed(model, inp, logits=False)
+        return replayed[0] if replayed is not None else model.forward(inp)
+
+    def run_logits(self, model, inp) -> tuple[np.ndarray, np.ndarray | None]:
+        """model.logits(model.forward(inp)) and, for replayed decode passes, each row's argmax (the
+        logits product and its argmax are the program's last operations: no second call, no cold
+        numpy argmax after the weight streams; -1 marks a row with a NaN or infinite logit)."""
+        replayed = self._replayed(model, inp, logits=True)
+        if replayed is not None:
+            return replayed
+        hidden = model.forward(inp)
+        self.begin_pass(hidden.shape[0])        # the logits product goes by its own row count
+        return model.logits(hidden), None
+
+    def _replayed(self, model, inp, logits: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
+        replay = self._replay_for(model, inp, logits)
+        if replay is None:
+            return None
+        out = replay.run(inp, self)
+        if out is None:
             log.warning("numba's threads did not run the replayed decode pass together (threading layer %s): "
                         "replays are off from now on", graph_replay.threading_layer())
             self.graph_replay = False
-        return model.forward(inp)
+        return out
 
-    def _replay_for(self, model, inp) -> graph_replay.Replay | None:
+    def _replay_for(self, model, inp, logits: bool) -> graph_replay.Replay | None:
         rows, meta = len(inp.token_ids), inp.attention
         if not (self.graph_replay and self.int8_matmul and rows <= REPLAY_MAX_ROWS and meta.causal
                 and meta.all_decode and len(inp.output_rows) == rows):
             return None
-        key = (id(model), rows, id(model.kv_caches[0][0]) if model.kv_caches else 0)
+        key = (id(model), rows, id(model.kv_caches[0][0]) if model.kv_caches else 0, logits)
         if key not in self._replays:
             try:
-                self._replays[key] = graph_replay.Replay(graph_capture.capture(model, inp))
+                self._replays[key] = graph_replay.Replay(graph_capture.capture(model, inp, logits))
             except graph_capture.Unsupported as e:
                 log.info("decode passes of %d rows run kernel by kernel: %s", rows, e)
                 self._replays[key] = None

@@ -46,6 +46,7 @@ class Program:
     rope_bases: list = field(default_factory=list)   # (base, n_dims), by ROPE's i0
     max_in_features: int = 0
     max_groups: int = 0
+    logits: bool = False                             # the output is the logits (model.logits captured too)
 
 
 class Value:
@@ -217,9 +218,14 @@ class GraphRecorder:
                        max((m.in_features // m.group for m in self.matrices), default=0))
 
 
-def capture(model, inp) -> Program:
-    """Run model.forward(inp) against a recorder and return its program (raises Unsupported)."""
+def capture(model, inp, logits: bool = False) -> Program:
+    """Run model.forward(inp) against a recorder and return its program (raises Unsupported);
+    with `logits`, model.logits of its result too (the program's output is then the logits)."""
     rec = GraphRecorder(len(inp.token_ids), model.kv_caches, inp.positions, inp.attention)
     with model.using_ops(rec):
         result = model.forward(inp)
-    return rec.program(result)
+        if logits:
+            result = model.logits(result)
+    program = rec.program(result)
+    program.logits = logits
+    return program

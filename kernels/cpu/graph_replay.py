@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import decode_attention, elementwise, get_rows, int8_matmul, spin_barrier
+from kernels.cpu import addresses, decode_attention, elementwise, get_rows, int8_matmul, spin_barrier
 from kernels.cpu.graph_capture import (ADD, ATTENTION, GELU_TANH_GATE, MATMUL, RMS_NORM, ROPE, SCALE, SHARED,
-                                       SWIGLU, Program)
+                                       SWIGLU, Program, Unsupported)
 
 try:
     import numba
     from numba import njit, prange
-    from numba.typed import List
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
@@ -49,8 +48,29 @@ NEXT_PRODUCT_PREFETCH = 4096
 WAIT_PREFETCH = 65536
 
 
+# columns of a replay's matrix table: each matrix's codes, scales and offsets (address, length) and layout
+CODES, SCALE_AT, OFFSET_AT, BIAS, GROUP, N_TILES, IN_FEATURES = 0, 2, 4, 6, 7, 8, 9
+
+
 def available() -> bool:
     return njit is not None and int8_matmul.available()
+
+
+def _address(a: np.ndarray) -> int:
+    try:
+        return addresses.address(a)
+    except ValueError as e:
+        raise Unsupported(str(e)) from None
+
+
+def _table(rows: list[tuple[int, ...]], width: int) -> np.ndarray:
+    return np.array(rows, np.int64).reshape(-1, width) if rows else np.zeros((1, width), np.int64)
+
+
+def _matrix_table(matrices: list) -> np.ndarray:
+    """int64 [matrices, 10]: the columns CODES.. above."""
+    return _table([(_address(m.codes), m.codes.size, _address(m.scale), m.scale.size, _address(m.offset),
+                    m.offset.size, m.bias, m.group, m.n_tiles, m.in_features) for m in matrices], 10)
 
 
 if available():
@@ -62,6 +82,7 @@ if available():
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
     _embedding_row = get_rows.q8_0_row
     _gelu_row = elementwise.gelu_tanh_gate_row
+    _u8, _f32, _f32_2d, _f32_4d = addresses.u8, addresses.f32, addresses.f32_2d, addresses.f32_4d
 
     @njit(inline="always")
     def _row(values, v, r, shared, own):  # pragma: no cover - compiled
@@ -79,10 +100,10 @@ if available():
         return own[start:start + rows * values[v, 2]]
 
     @njit(inline="always")
-    def _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, codes, scales, offsets, layout,
+    def _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, mats,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s):  # pragma: no cover - compiled
         w = ops[i, 5]
-        bias, group, n_tiles, k_in = layout[w, 0], layout[w, 1], layout[w, 2], layout[w, 3]
+        bias, group, n_tiles, k_in = mats[w, BIAS], mats[w, GROUP], mats[w, N_TILES], mats[w, IN_FEATURES]
         groups = k_in // group
         x = x_s[th, :rows * k_in].reshape((rows, k_in))
         for r in range(rows):
@@ -102,7 +123,7 @@ if available():
         dst = ops[i, 1]
         out = shared[values[dst, 1]:values[dst, 1] + rows * values[dst, 2]].reshape((rows, values[dst, 2]))
         full = rows // _ROWS * _ROWS
-        w_codes, w_scale, w_offset = codes[w], scales[w], offsets[w]     # typed-list reads are slow: once
+        w_codes, w_scale, w_offset = _u8(mats, w, CODES), _f32(mats, w, SCALE_AT), _f32(mats, w, OFFSET_AT)
         # Each thread owns a contiguous share of the tiles and takes it from the front, CLAIM tiles
         # at a time; a thread done with its own takes what is left of the others' from their back.
         # sync[SYNC_CLAIMS + i * n_threads + share] counts the tiles of a share taken from either end.
@@ -133,7 +154,7 @@ if available():
         threads is stored by both, each writing only the final values); the queries are rounded
         to float16 too, as the rowwise kernels do."""
         dst, q_v, k_v, v_v = ops[i, 1], ops[i, 2], ops[i, 3], ops[i, 4]
-        k_cache, v_cache = caches[2 * ops[i, 5]], caches[2 * ops[i, 5] + 1]
+        k_cache, v_cache = _f32_4d(caches, 2 * ops[i, 5]), _f32_4d(caches, 2 * ops[i, 5] + 1)
         n_kv, block_size, dim = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
         q = _whole(values, q_v, rows, shared, own).reshape((rows, values[q_v, 2] // dim, dim))
         out = _whole(values, dst, rows, shared, own).reshape((rows, values[dst, 2] // dim, dim))
@@ -176,11 +197,11 @@ if available():
                     dst[at + j] = src[at + j]
 
     @njit(inline="always")
-    def _prefetch_start(w, th, n_threads, codes, scales, layout, n_bytes):  # pragma: no cover - compiled
+    def _prefetch_start(w, th, n_threads, mats, n_bytes):  # pragma: no cover - compiled
         """Ask for the first n_bytes of this thread's share of matrix w's codes (and its scales)."""
-        n_tiles, k_in, group = layout[w, 2], layout[w, 3], layout[w, 1]
+        n_tiles, k_in, group = mats[w, N_TILES], mats[w, IN_FEATURES], mats[w, GROUP]
         lo = n_tiles * th // n_threads
-        w_codes, w_scale = codes[w], scales[w]
+        w_codes, w_scale = _u8(mats, w, CODES), _f32(mats, w, SCALE_AT)
         start = lo * k_in * _TILE
         for at in range(start, min(start + n_bytes, w_codes.shape[0]), 64):
             _prefetch(w_codes, at)
@@ -189,23 +210,64 @@ if available():
             _prefetch(w_scale, at)
 
     @njit(inline="always")
-    def _meet_ahead(sync, n_threads, met, w, th, codes, layout, skip, n_bytes):  # pragma: no cover - compiled
+    def _meet_ahead(sync, n_threads, met, w, th, mats, skip, n_bytes):  # pragma: no cover - compiled
         """Meeting number met, prefetching this thread's share of matrix w's codes from `skip` to
         `n_bytes` bytes into it while waiting (w < 0: a plain meeting)."""
         if w < 0 or n_bytes <= skip:
-            return _meet(sync, n_threads, met, codes[0], 0, 0)
-        n_tiles, k_in = layout[w, 2], layout[w, 3]
-        w_codes = codes[w]
+            return _meet(sync, n_threads, met, sync, 0, 0)
+        n_tiles, k_in = mats[w, N_TILES], mats[w, IN_FEATURES]
+        w_codes = _u8(mats, w, CODES)
         start = n_tiles * th // n_threads * k_in * _TILE
         end = min(start + n_bytes, n_tiles * (th + 1) // n_threads * k_in * _TILE)
         return _meet(sync, n_threads, met, w_codes, start + skip, end)
 
+    @njit(inline="always")
+    def _key(u):  # pragma: no cover - compiled
+        """An int32 that orders as the float32 whose bits are u (NaN aside), with -0.0 equal to 0.0."""
+        sign = u >> 31
+        return (u ^ (sign & np.int32(0x7FFFFFFF))) + (sign & np.int32(1))
+
+    @njit(inline="always")
+    def _copy_max(src_bits, dst_bits):  # pragma: no cover - compiled
+        """dst = src on the bits; the largest key and 1 if a value is NaN or infinite (an integer
+        loop over whole views: vectorized without fast-math, ~6 us for 24576 floats)."""
+        top, special = np.int32(-2147483648), np.int32(0)
+        for j in range(src_bits.shape[0]):
+            u = src_bits[j]
+            dst_bits[j] = u
+            k = _key(u)
+            top = k if k > top else top
+            special |= (u & np.int32(0x7F800000)) == np.int32(0x7F800000)
+        return top, special
+
+    @njit(inline="always")
+    def _output(values, output, rows, th, n_threads, shared, own, result, best):  # pragma: no cover - compiled
+        """This thread's share of the columns of the result rows, copied out; per row, best[th, r] =
+        (its largest value, the first column that holds it, 1 if a value is NaN or infinite), as
+        numpy's argmax finds it (-0.0 equal to 0.0): the block of 512 that first reaches the maximum
+        is searched for it."""
+        width = values[output, 4]
+        lo, hi = width * th // n_threads, width * (th + 1) // n_threads
+        for r in range(rows):
+            src, dst = _row(values, output, r, shared, own)[lo:hi], result[r, lo:hi]
+            src_bits, dst_bits = src.view(np.int32), dst.view(np.int32)
+            top, top_block, special = np.int32(-2147483648), 0, np.int32(0)
+            for b0 in range(0, hi - lo, 512):
+                b1 = min(b0 + 512, hi - lo)
+                block_top, block_special = _copy_max(src_bits[b0:b1], dst_bits[b0:b1])
+                special |= block_special
+                if block_top > top:
+                    top, top_block = block_top, b0
+            at = top_block
+            while at < hi - lo - 1 and _key(src_bits[at]) != top:
+                at += 1
+            best[th, r, 0], best[th, r, 1], best[th, r, 2] = src[at] if hi > lo else -np.inf, lo + at, special
+
     @njit(parallel=True, cache=True, nogil=True)
-    def _replay(ops, params, values, rows, n_threads, shared, private, sync, codes, scales, offsets,
-                layout,
+    def _replay(ops, params, values, rows, n_threads, shared, private, sync, mats,
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes,
-                positions, token_ids, embedding, f16, output, result, wait_prefetch):  # pragma: no cover
+                positions, token_ids, embedding, f16, output, result, wait_prefetch, greedy, best):  # pragma: no cover
         for th in prange(n_threads):
             own = private[th]
             bits = bits_s[th]
@@ -226,24 +288,24 @@ if available():
             for i in range(0 if bad else ops.shape[0]):
                 code, dst, a, b = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
                 if code == MATMUL:
-                    _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, codes, scales,
-                            offsets, layout, x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s)
+                    _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, mats,
+                            x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s)
                     if prefetch_bytes > 0 and next_matrix[i] >= 0:
-                        _prefetch_start(next_matrix[i], th, n_threads, codes, scales, layout, prefetch_bytes)
+                        _prefetch_start(next_matrix[i], th, n_threads, mats, prefetch_bytes)
                     met += 1
-                    if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, codes, layout, prefetch_bytes,
+                    if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, mats, prefetch_bytes,
                                        wait_prefetch):
                         break
                 elif code == ATTENTION:
                     _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
                                slots, scratch)
                     met += 1
-                    if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, codes, layout, 0, wait_prefetch):
+                    if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, mats, 0, wait_prefetch):
                         break
                 elif code == ROPE:
                     _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin, positions)
                 elif code == RMS_NORM:
-                    weight, d = norms[ops[i, 5]], ops[i, 6]
+                    weight, d = _f32_2d(norms, ops[i, 5]), ops[i, 6]
                     for r in range(rows):
                         src, out = _row(values, a, r, shared, own), _row(values, dst, r, shared, own)
                         for h in range(src.shape[0] // d):
@@ -264,9 +326,16 @@ if available():
                             _swiglu_row(src, _row(values, b, r, shared, own), out, bits)
                         elif code == GELU_TANH_GATE:
                             _gelu_row(src, _row(values, b, r, shared, own), out, bits)
-            if th == 0 and not bad and sync[1] == 0:
-                for r in range(rows):
-                    result[r, :] = _row(values, output, r, shared, own)
+            if not bad and sync[1] == 0:
+                _output(values, output, rows, th, n_threads, shared, own, result, best)
+                if greedy.shape[0] > 0 and _meet(sync, n_threads, met + 1, sync, 0, 0) and th == 0:
+                    for r in range(rows):       # the row's first maximum (a lower share wins a tie)
+                        pick, special = 0, best[0, r, 2]
+                        for t in range(1, n_threads):
+                            special = max(special, best[t, r, 2])
+                            if best[t, r, 0] > best[pick, r, 0]:
+                                pick = t
+                        greedy[r] = -1 if special else int(best[pick, r, 1])
 
 
 class Replay:
@@ -285,12 +354,9 @@ class Replay:
                         np.zeros((n, 2 * rows * groups), np.float32), np.zeros((n, rows * groups), np.float32),
                         np.zeros((n, 2 * rows * groups), np.int32), np.zeros((n, 2 * rows * groups), np.int32),
                         np.zeros((n, int(p.values[:, 4].max())), np.int32))
-        self.codes = List([m.codes for m in p.matrices])
-        self.scales = List([m.scale for m in p.matrices])
-        self.offsets = List([m.offset for m in p.matrices])
-        self.layout = np.array([(m.bias, m.group, m.n_tiles, m.in_features) for m in p.matrices], np.int64)
-        self.norms = List(p.norms)
-        self.caches = List(p.caches)
+        self.mats = _matrix_table(p.matrices)
+        self.norms = _table([(_address(w), *w.shape) for w in p.norms], 3)
+        self.caches = _table([(_address(c), *c.shape) for c in p.caches], 5)
         # for each product, the matrix of the next one (-1: none)
         self.next_matrix = np.full(len(p.ops), -1, np.int64)
         upcoming = -1
@@ -304,12 +370,16 @@ class Replay:
         compiled = getattr(table, "compiled", False) and get_rows.supports(table.raw, table.ggml_type, table.shape)
         self.embedding = table.raw if compiled else np.zeros(0, np.uint8)   # Q8_0 rows: decoded in the replay
         self.result_shape = (rows, int(p.values[p.output, 4]))
+        self.best = np.zeros((n, rows, 3), np.float64)      # each thread's (largest, where, NaN/inf) per row
+        self.no_greedy = np.zeros(0, np.int64)
         self.rope_cos = self.rope_sin = np.zeros((1, 1, 1), np.float32)
         self._rope_of: list[np.ndarray] = []
 
-    def run(self, inp, backend) -> np.ndarray | None:
-        """The forward's result for `inp`, or None when the threads could not meet (the caller then
-        runs the ordinary kernels, which write the same K/V again)."""
+    def run(self, inp, backend) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The forward's result for `inp` and, for a program whose output is the logits, each row's
+        first largest logit (-1 for a row with a NaN or infinite logit; else None); or None when the
+        threads could not meet (the caller then runs the ordinary kernels, which write the same K/V
+        again)."""
         p = self.program
         rows = p.rows
         if self.embedding.shape[0] == 0:            # not Q8_0: the backend decodes the input rows
@@ -322,17 +392,20 @@ class Replay:
         self.sync[:] = 0
         self.sync[2] = self.spin_limit
         result = np.empty(self.result_shape, np.float32)
+        greedy = np.empty(rows, np.int64) if p.logits else self.no_greedy
         _replay(p.ops, p.params, p.values, rows, self.n_threads, self.shared, self.private, self.sync,
-                self.codes, self.scales, self.offsets, self.layout, self.norms, self.caches,
+                self.mats, self.norms, self.caches,
                 self.rope_cos, self.rope_sin, tables, ctx, meta.slot_mapping, *self.scratch,
                 self.next_matrix, self.prefetch_bytes, inp.positions, inp.token_ids, self.embedding, get_rows.F16,
-                p.output, result, self.wait_prefetch)
+                p.output, result, self.wait_prefetch, greedy, self.best)
         if self.sync[3]:
             backend.embedding(p.embedding, inp.token_ids)           # raises the IndexError that names the id
             raise IndexError(f"a token id of {inp.token_ids.tolist()} is out of the embedding's range")
         if self.sync[1]:
             return None
-        return result if self.result_shape == p.output_shape else result.reshape(p.output_shape)
+        if self.result_shape != p.output_shape:
+            result = result.reshape(p.output_shape)
+        return result, (greedy if p.logits else None)
 
     def _rope_for(self, backend, max_pos: int) -> None:
         """self.rope_cos/sin: [base, position, n_dims // 2] for positions up to max_pos (kept until
@@ -353,8 +426,8 @@ def threading_layer() -> str:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the replay kernel on a one-operation program (every
-    typed list holds one placeholder: numba types a list by its items)."""
+    """Compile (or load from numba's cache) the replay kernel on a one-operation program (its
+    tables of matrices, norms and caches: placeholder rows that the program never reads)."""
     if not available():
         return
     from kernels.cpu.graph_capture import PRIVATE
@@ -362,15 +435,13 @@ def warm_up() -> None:
     ops = np.array([[SCALE, 1, 0, 0, 0, 0, 0, 0, 0]], np.int64)
     values = np.array([[SHARED, 0, 16, 0, 16], [PRIVATE, 0, 16, 0, 16]], np.int64)
     f32, i32 = np.zeros((n, 16), np.float32), np.zeros((n, 16), np.int32)
-    weights = (List([np.zeros(16, np.uint8)]), List([np.zeros(1, np.float32)]), List([np.zeros(1, np.float32)]),
-               np.zeros((1, 4), np.int64))
-    norms, caches = List([np.ones((1, 16), np.float32)]), List([np.zeros((1, 1, 16, 16), np.float32)])
+    tables = (np.zeros((1, 10), np.int64), np.zeros((1, 3), np.int64), np.zeros((1, 5), np.int64))
     rope = (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 8), np.float32))
     attention = (np.zeros((1, 1), np.int64), np.ones(1, np.int64), np.zeros(1, np.int64))
     scratch = (f32, np.zeros((n, 16), np.int8), f32, f32, i32, i32, i32)
     sync = np.zeros(SYNC_CLAIMS + n, np.int64)
     sync[2] = spin_barrier.SPIN_LIMIT
     _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32), sync,
-            *weights, norms, caches, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0,
+            *tables, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0,
             np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.uint8), get_rows.F16, 1,
-            np.zeros((1, 16), np.float32), 0)
+            np.zeros((1, 16), np.float32), 0, np.zeros(0, np.int64), np.zeros((n, 1, 3), np.float64))
