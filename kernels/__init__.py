@@ -31,13 +31,15 @@ class AttentionMetadata:
     causal: bool = True
 
     @classmethod
-    def for_decode(cls, context_lens: np.ndarray, block_tables: np.ndarray,
-                   slot_mapping: np.ndarray) -> AttentionMetadata:
+    def for_decode(cls, context_lens: np.ndarray, block_tables: np.ndarray, slot_mapping: np.ndarray,
+                   rows: np.ndarray | None = None, query_lens: np.ndarray | None = None) -> AttentionMetadata:
         """One new causal token per sequence (a decode step; block_tables and context_lens as int64,
         as decode_tables holds them), its derived tables filled in at once:
-        each numpy call after a step's weight streams runs cold (a 1-element add: 24-38 us)."""
-        rows = np.arange(len(context_lens))
-        meta = cls(np.ones(len(rows), np.int64), context_lens, block_tables.astype(np.int32), slot_mapping)
+        each numpy call after a step's weight streams runs cold (a 1-element add: 24-38 us).
+        `rows` (0, 1, ...) and `query_lens` (ones), where the caller made them with its other arrays."""
+        rows = np.arange(len(context_lens)) if rows is None else rows
+        query_lens = np.ones(len(rows), np.int64) if query_lens is None else query_lens
+        meta = cls(query_lens, context_lens, block_tables.astype(np.int32), slot_mapping)
         meta.__dict__.update(all_decode=True, row_starts=rows, decode_seqs=rows,
                              decode_tables=(rows, block_tables, context_lens))
         return meta

@@ -387,7 +387,8 @@ class Replay:
             self.shared[start:start + rows * width] = backend.embedding(p.embedding, inp.token_ids).reshape(-1)
         meta = inp.attention
         tables, ctx = meta.decode_tables[1:]
-        if p.rope_bases and p.caches:               # a position is below its row's blocks * block size
+        # a position is below its row's blocks * block size; the angles held serve every position below their size
+        if p.rope_bases and p.caches and tables.shape[1] * p.caches[0].shape[2] >= self.rope_cos.shape[1]:
             self._rope_for(backend, tables.shape[1] * p.caches[0].shape[2])
         self.sync[:] = 0
         self.sync[2] = self.spin_limit
@@ -408,8 +409,8 @@ class Replay:
         return result, (greedy if p.logits else None)
 
     def _rope_for(self, backend, max_pos: int) -> None:
-        """self.rope_cos/sin: [base, position, n_dims // 2] for positions up to max_pos (kept until
-        a longer context makes the backend grow its tables)."""
+        """self.rope_cos/sin: [base, position, n_dims // 2] for positions up to max_pos (the backend's
+        tables, which it grows for longer contexts, stacked)."""
         tables = [backend.rope_table(base, n_dims, max_pos) for base, n_dims in self.program.rope_bases]
         if len(tables) != len(self._rope_of) or any(t[0] is not held for t, held in zip(tables, self._rope_of)):
             size = min(t[0].shape[0] for t in tables)
