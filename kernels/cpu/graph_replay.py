@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import addresses, decode_attention, elementwise, get_rows, int8_matmul, spin_barrier
+from kernels.cpu import addresses, decode_attention, elementwise, get_rows, int8_matmul, row_argmax, spin_barrier
 from kernels.cpu.graph_capture import (ADD, ATTENTION, GELU_TANH_GATE, MATMUL, RMS_NORM, ROPE, SCALE, SHARED,
                                        SWIGLU, Program, Unsupported)
 
@@ -83,6 +83,7 @@ if available():
     _embedding_row = get_rows.q8_0_row
     _gelu_row = elementwise.gelu_tanh_gate_row
     _u8, _f32, _f32_2d, _f32_4d = addresses.u8, addresses.f32, addresses.f32_2d, addresses.f32_4d
+    _copy_with_argmax = row_argmax.copy_with_argmax
 
     @njit(inline="always")
     def _row(values, v, r, shared, own):  # pragma: no cover - compiled
@@ -222,46 +223,14 @@ if available():
         return _meet(sync, n_threads, met, w_codes, start + skip, end)
 
     @njit(inline="always")
-    def _key(u):  # pragma: no cover - compiled
-        """An int32 that orders as the float32 whose bits are u (NaN aside), with -0.0 equal to 0.0."""
-        sign = u >> 31
-        return (u ^ (sign & np.int32(0x7FFFFFFF))) + (sign & np.int32(1))
-
-    @njit(inline="always")
-    def _copy_max(src_bits, dst_bits):  # pragma: no cover - compiled
-        """dst = src on the bits; the largest key and 1 if a value is NaN or infinite (an integer
-        loop over whole views: vectorized without fast-math, ~6 us for 24576 floats)."""
-        top, special = np.int32(-2147483648), np.int32(0)
-        for j in range(src_bits.shape[0]):
-            u = src_bits[j]
-            dst_bits[j] = u
-            k = _key(u)
-            top = k if k > top else top
-            special |= (u & np.int32(0x7F800000)) == np.int32(0x7F800000)
-        return top, special
-
-    @njit(inline="always")
     def _output(values, output, rows, th, n_threads, shared, own, result, best):  # pragma: no cover - compiled
         """This thread's share of the columns of the result rows, copied out; per row, best[th, r] =
-        (its largest value, the first column that holds it, 1 if a value is NaN or infinite), as
-        numpy's argmax finds it (-0.0 equal to 0.0): the block of 512 that first reaches the maximum
-        is searched for it."""
+        (its largest value, the first column that holds it, 1 if a value is NaN or infinite)."""
         width = values[output, 4]
         lo, hi = width * th // n_threads, width * (th + 1) // n_threads
         for r in range(rows):
-            src, dst = _row(values, output, r, shared, own)[lo:hi], result[r, lo:hi]
-            src_bits, dst_bits = src.view(np.int32), dst.view(np.int32)
-            top, top_block, special = np.int32(-2147483648), 0, np.int32(0)
-            for b0 in range(0, hi - lo, 512):
-                b1 = min(b0 + 512, hi - lo)
-                block_top, block_special = _copy_max(src_bits[b0:b1], dst_bits[b0:b1])
-                special |= block_special
-                if block_top > top:
-                    top, top_block = block_top, b0
-            at = top_block
-            while at < hi - lo - 1 and _key(src_bits[at]) != top:
-                at += 1
-            best[th, r, 0], best[th, r, 1], best[th, r, 2] = src[at] if hi > lo else -np.inf, lo + at, special
+            top, at, special = _copy_with_argmax(_row(values, output, r, shared, own)[lo:hi], result[r, lo:hi])
+            best[th, r, 0], best[th, r, 1], best[th, r, 2] = top, lo + at, special
 
     @njit(parallel=True, cache=True, nogil=True)
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, mats,
