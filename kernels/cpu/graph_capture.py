@@ -198,7 +198,7 @@ class GraphRecorder:
         return self.emit(GELU_TANH_GATE, gate.shape, gate, up)
 
     # --- the result ------------------------------------------------------------------------
-    def program(self, result: Value) -> Program:
+    def program(self, result: Value, logits: bool = False) -> Program:
         if not isinstance(result, Value) or self.embedding_table is None:
             raise Unsupported("a forward that returned something else than a captured value")
         if self.pending_kv:
@@ -215,7 +215,7 @@ class GraphRecorder:
         return Program(self.rows, ops, params, values, sizes[PRIVATE], sizes[SHARED], self.embedding_table,
                        result_id, result.shape, self.matrices, self.norms, self.caches, self.rope_bases,
                        max((m.in_features for m in self.matrices), default=0),
-                       max((m.in_features // m.group for m in self.matrices), default=0))
+                       max((m.in_features // m.group for m in self.matrices), default=0), logits)
 
 
 def capture(model, inp, logits: bool = False) -> Program:
@@ -226,6 +226,4 @@ def capture(model, inp, logits: bool = False) -> Program:
         result = model.forward(inp)
         if logits:
             result = model.logits(result)
-    program = rec.program(result)
-    program.logits = logits
-    return program
+    return rec.program(result, logits)

@@ -356,9 +356,11 @@ class Replay:
             self.shared[start:start + rows * width] = backend.embedding(p.embedding, inp.token_ids).reshape(-1)
         meta = inp.attention
         tables, ctx = meta.decode_tables[1:]
-        # a position is below its row's blocks * block size; the angles held serve every position below their size
-        if p.rope_bases and p.caches and tables.shape[1] * p.caches[0].shape[2] >= self.rope_cos.shape[1]:
-            self._rope_for(backend, tables.shape[1] * p.caches[0].shape[2])
+        if p.rope_bases and p.caches:
+            # a position is below its row's blocks * block size; the angles held serve every position below their size
+            max_pos = tables.shape[1] * p.caches[0].shape[2]
+            if max_pos >= self.rope_cos.shape[1]:
+                self._rope_for(backend, max_pos)
         self.sync[:] = 0
         self.sync[2] = self.spin_limit
         result = np.empty(self.result_shape, np.float32)
