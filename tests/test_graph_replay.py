@@ -10,7 +10,7 @@ from kernels.cpu import graph_capture, graph_replay
 from kernels.cpu.graph_capture import ATTENTION, MATMUL, Unsupported
 from shared.step import SeqChunk
 
-pytestmark = pytest.mark.skipif(not graph_replay.available(), reason="needs numba and a CPU with AVX-512 VNNI")
+pytestmark = pytest.mark.skipif(not graph_replay.available(), reason="needs numba and a CPU with AVX2")
 
 
 def prefill(runner, seq_id, tokens, first_block):

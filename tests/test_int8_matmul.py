@@ -1,4 +1,4 @@
-"""kernels/cpu/int8_matmul.py: 8-bit integer products (AVX-512 VNNI), checked against the
+"""kernels/cpu/int8_matmul.py: 8-bit integer products (AVX-512 VNNI, or AVX2), checked against the
 definitions written out here in numpy: each input row coded in two 8-bit levels (ggml's
 quantize_row_q8_0, then the same coding of its remainder) and the product
 sum_g sum_l (d_w * d_l) * sum(code * q_l) + m_w * s, s the group's float sum."""
@@ -17,7 +17,7 @@ from kernels.cpu import CPUBackend, int8_matmul  # noqa: E402
 from shared.dequant import dequantize  # noqa: E402
 from test_quantized_matmul import random_tensor  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not int8_matmul.available(), reason="needs numba and a CPU with AVX-512 VNNI")
+pytestmark = pytest.mark.skipif(not int8_matmul.available(), reason="needs numba and a CPU with AVX2")
 
 BYTE_CODE_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -49,6 +49,11 @@ def byte_codes(raw: np.ndarray, name: str, shape: tuple[int, int]):
     return codes, scale, offset, group
 
 
+def stored_bias(codes: np.ndarray) -> int:
+    """VNNI multiplies unsigned codes (signed ones stored + 128); AVX2 keeps them signed."""
+    return 128 if codes.min() < 0 and int8_matmul.VNNI else 0
+
+
 def coded_product(x: np.ndarray, codes, scale, offset, group) -> np.ndarray:
     n_out = codes.shape[0]
     levels, s = two_level_coding(x, group)
@@ -68,7 +73,7 @@ def test_product_is_the_two_level_coded_dot(name, rows):
     codes, scale, offset, group = byte_codes(raw, name, shape)
     assert group == (16 if name == "Q6_K" else 32)
     w = int8_matmul.from_parts([(raw, T[name], shape)])
-    assert w is not None and w.bias == (128 if codes.min() < 0 else 0) and w.group == group
+    assert w is not None and w.bias == stored_bias(codes) and w.group == group
     x = rng.standard_normal((rows, shape[1])).astype(np.float32)
     x[0, :32] = 0.0            # an all-zero group: d = 0, q = 0
     out = int8_matmul.matmul(x, w)
@@ -80,12 +85,29 @@ def test_product_is_the_two_level_coded_dot(name, rows):
     np.testing.assert_allclose(out, exact, rtol=0, atol=2e-4 * np.abs(exact).max())
 
 
+@pytest.mark.parametrize("code", [-128, 127])
+def test_largest_codes_times_largest_inputs_do_not_saturate(code):
+    """AVX2's vpmaddubsw sums two byte products in 16 bits with saturation: |code| <= 128 and
+    |q| <= 127 keep every pair in range (2 * 128 * 127 = 32512), for both signs of the input."""
+    shape = (32, 64)
+    raw = np.zeros((shape[0], shape[1] // 32, 34), np.uint8)
+    raw[:, :, :2] = np.float16([0.5]).view(np.uint8)      # d = 0.5 in every block
+    raw[:, :, 2:] = np.int8([code]).view(np.uint8)
+    raw = raw.reshape(-1)
+    w = int8_matmul.from_parts([(raw, T.Q8_0, shape)])
+    assert w is not None
+    x = np.ones((2, shape[1]), np.float32)
+    x[1] = -1.0                                           # q = +127 and -127 in every group
+    expected = np.float32(0.5 * code * shape[1]) * x[:, :1]
+    np.testing.assert_array_equal(int8_matmul.matmul(x, w), np.broadcast_to(expected, (2, shape[0])))
+
+
 def test_parts_of_different_types_stack_on_the_finer_groups():
     """A fused Q|K|V of Q4_K, Q4_K and Q6_K (Gemma 3's mix): groups of 16 throughout, biased codes."""
     rng = np.random.default_rng(1)
     parts = [(random_tensor(n, 32, 256, rng), T[n], (32, 256)) for n in ("Q4_K", "Q4_K", "Q6_K")]
     w = int8_matmul.from_parts(parts)
-    assert w is not None and w.group == 16 and w.bias == 128 and w.out_features == 96
+    assert w is not None and w.group == 16 and w.bias == stored_bias(np.int8([-1])) and w.out_features == 96
     x = rng.standard_normal((5, 256)).astype(np.float32)
     dense = np.concatenate([dequantize(raw, t, shape) for raw, t, shape in parts])
     exact = x.astype(np.float64) @ dense.astype(np.float64).T
@@ -129,7 +151,7 @@ def test_a_model_with_other_types_stays_on_the_float_paths():
     assert w.int8 is None and w.dense is not None
 
 
-def test_backend_keeps_only_the_byte_codes(monkeypatch):
+def test_backend_keeps_the_byte_codes(monkeypatch):
     rng = np.random.default_rng(5)
     shape = (64, 256)
     raw = random_tensor("Q8_0", *shape, rng)
@@ -137,7 +159,8 @@ def test_backend_keeps_only_the_byte_codes(monkeypatch):
     ops = CPUBackend(quantized_matmul=True, int8=True)
     ops.plan_weights({int(T.Q8_0), int(T.Q4_1)})
     w = ops.prepare_weight(dense, [(raw, T.Q8_0, shape)])
-    assert w.int8 is not None and w.dense is None and w.codes is None
+    assert w.int8 is not None and w.codes is None
+    assert (w.dense is None) == int8_matmul.VNNI       # AVX2: float32 kept for sgemm on a prompt's rows
     x = rng.standard_normal((12, shape[1])).astype(np.float32)
     ops.begin_pass(12)
     np.testing.assert_allclose(ops.matmul(x, w), x @ dense.T, rtol=0, atol=2e-4 * np.abs(x @ dense.T).max())

@@ -252,7 +252,7 @@ def test_f16_store_of_an_8_bit_backend_equals_numpys_float16():
     astype(float16) gives, for K/V rows read out of a wider product's output (not contiguous)."""
     from kernels.cpu import decode_attention, int8_matmul
     if not (decode_attention.available() and int8_matmul.available()):
-        pytest.skip("needs numba and a CPU with AVX-512 VNNI")
+        pytest.skip("needs numba and a CPU with AVX2")
     ops = CPUBackend(quantized_matmul=True, int8=True)
     ops.plan_weights({int(GGMLQuantizationType.Q8_0)})
     assert ops.int8_matmul

@@ -1,6 +1,7 @@
 """CPU implementation of the kernels interface: numpy/OpenBLAS in float32, numba-compiled
-products over the GGUF's integer codes (8-bit integer products with AVX-512 VNNI, see
-kernels/cpu/int8_matmul.py; else float products of a few rows) and decode attention."""
+products over the GGUF's integer codes (8-bit integer products, see kernels/cpu/int8_matmul.py:
+every product with AVX-512 VNNI, passes of a few rows with AVX2; else float products of a few
+rows) and decode attention."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,7 +47,8 @@ class QuantizedRows:
 @dataclass(frozen=True)
 class Linear:
     """A weight matrix prepared for `matmul`: its 8-bit codes for the VNNI kernel, which then takes
-    every product; else float32 [in, out] for sgemm plus its integer codes for few-row products."""
+    every product; else float32 [in, out] for sgemm plus its integer codes for few-row products
+    (8-bit codes with AVX2, whose byte products are no faster than sgemm on a prompt's rows)."""
     dense: np.ndarray | None
     codes: QuantizedMatrix | None
     int8: Int8Matrix | None = None
@@ -96,8 +98,11 @@ class CPUBackend:
     @property
     def products(self) -> str:
         """How this backend multiplies, for the worker's log."""
-        if self.int8_matmul:
+        if self._int8_everywhere:
             return "8-bit integers (AVX-512 VNNI, TS_INT8_MATMUL=0 turns them off)"
+        if self.int8_matmul:
+            return ("float32 sgemm (OpenBLAS), 8-bit integers (AVX2) for passes of <= %d rows "
+                    "(TS_INT8_MATMUL=0 turns them off)" % quantized.COMPILED_MAX_ROWS)
         if self.quantized_matmul:
             return "float32 sgemm (OpenBLAS), quantized codes for passes of <= %d rows" % quantized.COMPILED_MAX_ROWS
         return "float32 sgemm (OpenBLAS)"
@@ -110,12 +115,16 @@ class CPUBackend:
         again for the logits product, the pass's last, by the rows it samples. When every matrix
         has 8-bit codes no product uses OpenBLAS, and every pass is compiled."""
         self._compiled_pass = self.quantized_matmul and (num_tokens <= quantized.COMPILED_MAX_ROWS
-                                                         or self.int8_matmul)
+                                                         or self._int8_everywhere)
+
+    @property
+    def _int8_everywhere(self) -> bool:
+        return self.int8_matmul and int8_matmul.VNNI
 
     def _compiled(self, rows: int) -> bool:
         if self._compiled_pass is not None:
             return self._compiled_pass
-        return self.quantized_matmul and rows <= quantized.COMPILED_MAX_ROWS
+        return self.quantized_matmul and (rows <= quantized.COMPILED_MAX_ROWS or self._int8_everywhere)
 
     def run_forward(self, model, inp) -> np.ndarray:
         """model.forward(inp), replayed from its captured program for decode passes of a few rows
@@ -173,15 +182,18 @@ class CPUBackend:
         # inputs in this layout than with a transposed [out, in] operand, and
         # equal on single rows (loadtest measurements, docs/BENCHMARKS.md).
         int8 = int8_matmul.from_parts(encoded, w) if encoded and self.int8_matmul else None
-        if int8 is not None:        # the 8-bit kernel takes every product: no float32 copy kept
+        if int8 is not None:
             place = self._arena.place
-            return Linear(None, None, dataclasses.replace(int8, codes=place(int8.codes), scale=place(int8.scale),
-                                                          offset=place(int8.offset)))
+            int8 = dataclasses.replace(int8, codes=place(int8.codes), scale=place(int8.scale),
+                                       offset=place(int8.offset))
+            if int8_matmul.VNNI:    # the 8-bit kernel takes every product: no float32 copy kept
+                return Linear(None, None, int8)
+            return Linear(np.ascontiguousarray(w.T, dtype=np.float32), None, int8)
         codes = quantized.quantize_parts(encoded, w) if encoded and self.quantized_matmul else None
         return Linear(np.ascontiguousarray(w.T, dtype=np.float32), codes)
 
     def matmul(self, x: np.ndarray, w: Linear) -> np.ndarray:
-        if w.int8 is not None:
+        if w.int8 is not None and (w.dense is None or self._compiled(x.shape[0])):
             return int8_matmul.matmul(x, w.int8)
         if w.codes is not None and self._compiled(x.shape[0]):
             return quantized.matmul(x, w.codes)
@@ -322,5 +334,8 @@ class CPUBackend:
 
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         meta: AttentionMetadata, scale: float, window: int = 0) -> np.ndarray:
-        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window,
-                                         compiled=self._compiled(q.shape[0]), rowwise=self.int8_matmul)
+        compiled = self._compiled(q.shape[0])
+        # rowwise where the products code their rows in 8 bits (with AVX2 only compiled passes;
+        # a prompt's rows go through sgemm and the batched attention)
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, compiled=compiled,
+                                         rowwise=self.int8_matmul and (compiled or self._int8_everywhere))

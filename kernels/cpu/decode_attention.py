@@ -68,10 +68,11 @@ def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g
     """out[b, h] for the query heads h = kv * (heads per KV head) + g, g0 <= g < g1, the query q[b]
     at position n - 1, reading its keys and values through the block table `table` (int64
     [max_blocks]). Each head is computed alone: which heads share a call does not change it.
-    `by_four`: the keys and values taken four at a time (the same sums, four terms a pass). On the
-    Zen 5 EPYC of docs/BENCHMARKS.md, 512-token prefills were 6-17 % faster with it (two runs each
-    way, both models), the replayed decode rows 1-2 % slower (in-process A/Bs): their keys come
-    from memory, not from cache."""
+    `by_four`: the keys and values taken four at a time (four terms a pass: not the same float
+    sums as single keys, so every caller whose results must agree passes the same value; the
+    replay takes True too). On the Zen 5 EPYC of docs/BENCHMARKS.md, 512-token prefills were 6-17 %
+    faster with it (two runs each way, both models), the replayed decode rows 1-2 % slower
+    (in-process A/Bs): their keys come from memory, not from cache."""
     dim = q.shape[2]
     first_head = kv * (out.shape[1] // k_cache.shape[0]) + g0   # q may hold more heads after out's (K's)
     group = g1 - g0

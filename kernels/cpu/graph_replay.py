@@ -175,8 +175,10 @@ if available():
             g1 = g0 + run_end - task
             for g in range(g0, g1):
                 _round_to_half(q[b, kv * group + g])
+            # by_four as the kernels take it: under fastmath the vectorizer sums a four-key pass in
+            # another order than single keys on AVX2 (bit-identical on AVX-512 only by its widths)
             _attend(q, k_cache, v_cache, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out, b,
-                    kv, g0, g1, False)
+                    kv, g0, g1, True)
             task = run_end
 
     @njit(inline="always")

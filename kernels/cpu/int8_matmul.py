@@ -59,11 +59,20 @@ PREFETCH_VECTORS = 128
 PARALLEL_CODING_ROWS = 8
 
 
+def _has(*features: str) -> bool:
+    host = _llvm.get_host_cpu_features()
+    return all(host.get(f, False) for f in features)
+
+
+VNNI = njit is not None and _has("avx512f", "avx512bw", "avx512vnni")
+# Without VNNI (AVX2 CPUs: Zen 2/3, older Xeons) each 4-byte dot product is llama.cpp's AVX2
+# sequence: vpmaddubsw needs an unsigned operand and saturates at 16 bits, so the codes are kept
+# signed (no bias) and multiplied as |code| times q with the code's sign (128 * 127 * 2 < 2**15).
+AVX2 = njit is not None and not VNNI and _has("avx2", "fma")
+
+
 def available() -> bool:
-    if njit is None:
-        return False
-    features = _llvm.get_host_cpu_features()
-    return all(features.get(f, False) for f in ("avx512f", "avx512bw", "avx512vnni"))
+    return VNNI or AVX2
 
 
 @dataclass(frozen=True)
@@ -112,15 +121,15 @@ def from_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]], dense: np.n
     offset = np.concatenate([np.repeat(o, g // group, axis=1) for o, g in zip(offsets, groups)])
     lo = min(int(c.min(initial=0)) for c in codes)
     hi = max(int(c.max(initial=0)) for c in codes)
-    bias = 128 if lo < 0 else 0
-    if lo + bias < 0 or hi + bias > 255:
+    bias = 128 if lo < 0 and VNNI else 0           # AVX2: signed codes, stored as their bytes
+    if lo + bias < (0 if VNNI else -128) or hi + bias > (255 if VNNI else 127):
         return None
     n_out = scale.shape[0]
     n_tiles = -(-n_out // TILE)
     padded = np.zeros((n_tiles * TILE, n_in), np.uint8)
     row = 0
     for c in codes:
-        padded[row:row + c.shape[0]] = c + bias
+        padded[row:row + c.shape[0]] = (c + bias).astype(np.int16) & 0xFF
         row += c.shape[0]
     # [tile, out, group, step, 4] -> [tile, group, step, out, 4]: one 64-byte load feeds 16 outputs
     tiled = padded.reshape(n_tiles, TILE, n_in // group, group // 4, 4).transpose(0, 2, 3, 1, 4)
@@ -181,7 +190,50 @@ if available():
     def _splat(builder, value, vtype):
         undef = ir.Constant(vtype, ir.Undefined)
         v = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
-        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), vtype.count),
+                                                            [0] * vtype.count))
+
+    _I8x32 = ir.VectorType(ir.IntType(8), 32)
+    _I16x16 = ir.VectorType(ir.IntType(16), 16)
+    _I32x8 = ir.VectorType(ir.IntType(32), 8)
+
+    def _dot_vnni(module):
+        """acc + per lane sum_k w[4 lane + k] * x[k] (w unsigned bytes, x signed): one vpdpbusd."""
+        dpbusd = cgutils.get_or_insert_function(
+            module, ir.FunctionType(_I32x16, [_I32x16] * 3), "llvm.x86.avx512.vpdpbusd.512")
+
+        def prepare(builder, w):
+            return w
+
+        def dot(builder, acc, w, x4):
+            return builder.call(dpbusd, [acc, w, _splat(builder, x4, _I32x16)])
+        return prepare, dot
+
+    def _dot_avx2(module):
+        """The same sum with w signed, on two 32-byte halves: vpmaddubsw(|w|, x * sign(w)) summed in
+        pairs by vpmaddwd (llama.cpp's mul_sum_i8_pairs)."""
+        psign = cgutils.get_or_insert_function(module, ir.FunctionType(_I8x32, [_I8x32] * 2), "llvm.x86.avx2.psign.b")
+        maddubs = cgutils.get_or_insert_function(
+            module, ir.FunctionType(_I16x16, [_I8x32] * 2), "llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = cgutils.get_or_insert_function(
+            module, ir.FunctionType(_I32x8, [_I16x16] * 2), "llvm.x86.avx2.pmadd.wd")
+        ones = ir.Constant(_I16x16, [1] * 16)
+        i32 = ir.IntType(32)
+
+        def prepare(builder, w):
+            """w's two halves as bytes, each with its absolute value (|-128| reads as 128 unsigned)."""
+            b = builder.bitcast(w, ir.VectorType(ir.IntType(8), 64))
+            halves = [builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(i32, 32), list(range(o, o + 32))))
+                      for o in (0, 32)]
+            return [(h, builder.call(psign, [h, h])) for h in halves]
+
+        def dot(builder, acc, w, x4):
+            x = builder.bitcast(_splat(builder, x4, _I32x8), _I8x32)
+            sums = [builder.call(maddwd, [builder.call(maddubs, [a, builder.call(psign, [x, h])]), ones])
+                    for h, a in w]
+            return builder.add(acc, builder.shuffle_vector(sums[0], sums[1],
+                                                           ir.Constant(ir.VectorType(i32, 16), list(range(16)))))
+        return prepare, dot
 
     def _tile_kernel(n_rows: int, levels: int):
         """An intrinsic computing out[r0 + r, t * TILE + j] for r < n_rows and the tile's 32 outputs j,
@@ -196,8 +248,7 @@ if available():
                 codes_a, qx_a, dx_a, sx_a, qb_a, scale_a, offset_a, out_a, t_v, r0_v, group_v = args
                 i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
                 module = builder.module
-                dpbusd = cgutils.get_or_insert_function(
-                    module, ir.FunctionType(_I32x16, [_I32x16] * 3), "llvm.x86.avx512.vpdpbusd.512")
+                prepare, dot = (_dot_vnni if VNNI else _dot_avx2)(module)
                 fma = cgutils.get_or_insert_function(
                     module, ir.FunctionType(_F32x16, [_F32x16] * 3), "llvm.fma.v16f32")
                 i8p = ir.IntType(8).as_pointer()
@@ -237,18 +288,18 @@ if available():
                     with cgutils.for_range(builder, steps) as s_loop:
                         step = builder.add(builder.mul(g, steps), s_loop.index)
                         w_at = builder.add(c0, builder.mul(step, i64(2)))
-                        w = [builder.load(builder.gep(codes_p, [builder.add(w_at, i64(h))]), align=4)
-                             for h in range(2)]
+                        w = [prepare(builder, builder.load(builder.gep(codes_p, [builder.add(w_at, i64(h))]),
+                                                           align=4)) for h in range(2)]
                         ahead = builder.gep(codes_p, [builder.add(w_at, i64(PREFETCH_VECTORS))])
                         builder.call(prefetch, [builder.bitcast(ahead, i8p), i32(0), i32(2), i32(1)])
                         for lv in range(levels):
                             for r in range(n_rows):
                                 x_at = builder.add(builder.add(q_row0, builder.mul(k4, i64(r))), step)
                                 x_at = builder.add(x_at, builder.mul(qx_level, i64(lv)))
-                                xb = _splat(builder, builder.load(builder.gep(qx_p, [x_at]), align=1), _I32x16)
+                                x4 = builder.load(builder.gep(qx_p, [x_at]), align=1)
                                 for h in range(2):
                                     a = iacc[lv][2 * r + h]
-                                    builder.store(builder.call(dpbusd, [builder.load(a), w[h], xb]), a)
+                                    builder.store(dot(builder, builder.load(a), w[h], x4), a)
                     sc_at = builder.add(s0, builder.mul(g, i64(2)))
                     sc = [builder.load(builder.gep(scale_p, [builder.add(sc_at, i64(h))]), align=4) for h in range(2)]
                     for lv in range(levels):
