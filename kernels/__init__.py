@@ -84,10 +84,10 @@ class Backend(Protocol):
     def plan_weights(self, ggml_types: set[int]) -> None:
         """The GGML types of every matrix the model will prepare, before the first: a backend may
         pick its kernels for the whole model here (a no-op where that choice does not arise)."""
-    def begin_pass(self, num_tokens: int) -> None:
+    def begin_pass(self, num_tokens: int, decode: bool = False) -> None:
         """A forward of `num_tokens` rows follows (or, from the runner before sampling, the logits
-        product of that many rows): a backend may pick its kernels for the whole pass here (a
-        no-op where that choice does not arise)."""
+        product of that many rows); `decode`: every row is one sequence's next token. A backend
+        may pick its kernels for the whole pass here (a no-op where that choice does not arise)."""
     def run_forward(self, model: Any, inp: Any) -> Array:
         """model.forward(inp) (worker/models): a backend may capture the pass's graph once per
         shape and replay it compiled, as the CPU backend does for decode passes of a few rows."""

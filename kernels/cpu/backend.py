@@ -107,15 +107,18 @@ class CPUBackend:
             return "float32 sgemm (OpenBLAS), quantized codes for passes of <= %d rows" % quantized.COMPILED_MAX_ROWS
         return "float32 sgemm (OpenBLAS)"
 
-    def begin_pass(self, num_tokens: int) -> None:
+    def begin_pass(self, num_tokens: int, decode: bool = False) -> None:
         """Decide once per forward whether its products and decode attention run compiled (numba's
         threads) or on OpenBLAS, by the pass's token count: the last layer's FFN sees fewer rows
         than the pass (only those that need logits), and switching between the two thread pools
         inside a pass costs milliseconds while the other pool's threads spin. The runner calls it
         again for the logits product, the pass's last, by the rows it samples. When every matrix
-        has 8-bit codes no product uses OpenBLAS, and every pass is compiled."""
-        self._compiled_pass = self.quantized_matmul and (num_tokens <= quantized.COMPILED_MAX_ROWS
-                                                         or self._int8_everywhere)
+        has 8-bit codes no product uses OpenBLAS, and every pass is compiled. With AVX2's 8-bit
+        codes (kept beside sgemm's float32) only decode passes are compiled: a prompt's rows all
+        go through sgemm, so a prompt prefilled in chunks gets what one pass gives (the 8-bit
+        coding of a 4-token last chunk moved logits by ~1e-2)."""
+        few = num_tokens <= quantized.COMPILED_MAX_ROWS and (decode or not self.int8_matmul)
+        self._compiled_pass = self.quantized_matmul and (few or self._int8_everywhere)
 
     @property
     def _int8_everywhere(self) -> bool:
@@ -140,7 +143,7 @@ class CPUBackend:
         if replayed is not None:
             return replayed
         hidden = model.forward(inp)
-        self.begin_pass(hidden.shape[0])        # the logits product goes by its own row count
+        self.begin_pass(hidden.shape[0], inp.attention.all_decode)   # the logits product: by its own rows
         return model.logits(hidden), None
 
     def _replayed(self, model, inp, logits: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
@@ -320,7 +323,7 @@ class CPUBackend:
     def store_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
                  slot_mapping: np.ndarray) -> None:
         n_kv, n_blocks, block_size, dim = k_cache.shape
-        if self.int8_matmul:        # llama.cpp's f16 KV cache: the values it holds, kept as float32
+        if self._rowwise(k.shape[0]):   # llama.cpp's f16 KV cache: the values it holds, kept as float32
             if decode_attention.available():
                 decode_attention.store_half(k_cache, v_cache, k, v, slot_mapping)
                 return
@@ -334,8 +337,12 @@ class CPUBackend:
 
     def paged_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                         meta: AttentionMetadata, scale: float, window: int = 0) -> np.ndarray:
-        compiled = self._compiled(q.shape[0])
-        # rowwise where the products code their rows in 8 bits (with AVX2 only compiled passes;
-        # a prompt's rows go through sgemm and the batched attention)
-        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, compiled=compiled,
-                                         rowwise=self.int8_matmul and (compiled or self._int8_everywhere))
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window,
+                                         compiled=self._compiled(q.shape[0]), rowwise=self._rowwise(q.shape[0]))
+
+    def _rowwise(self, rows: int) -> bool:
+        """Passes whose products code each row in 8 bits alone: their K/V are stored as llama.cpp's f16
+        cache holds them and each row attends alone, so a row's result does not depend on the rows
+        packed with it. With AVX2 a prompt's rows go through sgemm (whose rows can move by an ulp
+        with the batch: f16 rounding would make that 1e-3) and the batched attention."""
+        return self.int8_matmul and (self._int8_everywhere or self._compiled(rows))

@@ -136,7 +136,7 @@ class GraphRecorder:
         return out
 
     # --- the kernels interface ---------------------------------------------------------
-    def begin_pass(self, num_tokens: int) -> None:
+    def begin_pass(self, num_tokens: int, decode: bool = False) -> None:
         pass
 
     def embedding(self, table, ids: np.ndarray) -> Value:
