@@ -48,6 +48,11 @@ class AttentionMetadata:
     def all_decode(self) -> bool:
         return bool(np.all(self.query_lens == 1))
 
+    @property
+    def decode_pass(self) -> bool:
+        """Every row is one sequence's next causal token (Backend.begin_pass's `decode`)."""
+        return self.causal and self.all_decode
+
     # Derived once per forward and shared by every layer's attention (cached on the instance).
     @functools.cached_property
     def row_starts(self) -> np.ndarray:

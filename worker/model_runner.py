@@ -76,7 +76,7 @@ class ModelRunner:
                                      "no token for it")
                 c.token_ids = np.array([state.last_sampled], np.int64)
         inp, score_rows = self._pack(chunks)
-        self.ops.begin_pass(len(inp.token_ids), self._all_decode(inp))
+        self.ops.begin_pass(len(inp.token_ids), inp.attention.decode_pass)
         results = [SeqResult(c.seq_id) for c in chunks]
         if all(c.sample and not c.score_top_k for c in chunks):     # one output row a chunk, all sampled
             logits, greedy = self.ops.run_logits(self.model, inp)
@@ -111,11 +111,8 @@ class ModelRunner:
         """Raw logits of the rows a step would read (each chunk's last token, or all of its tokens
         when score_top_k is set), without sampling: for tests and debugging."""
         inp, _ = self._pack(chunks)
-        self.ops.begin_pass(len(inp.token_ids), self._all_decode(inp))
+        self.ops.begin_pass(len(inp.token_ids), inp.attention.decode_pass)
         return self.ops.to_numpy(self.ops.run_logits(self.model, inp)[0])
-
-    def _all_decode(self, inp: ForwardInput) -> bool:
-        return self.config.causal and inp.attention.all_decode and len(inp.output_rows) == len(inp.token_ids)
 
     def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
         if self.config.causal and all(len(c.token_ids) == 1 and not c.score_top_k for c in chunks):

@@ -117,17 +117,19 @@ class CPUBackend:
         codes (kept beside sgemm's float32) only decode passes are compiled: a prompt's rows all
         go through sgemm, so a prompt prefilled in chunks gets what one pass gives (the 8-bit
         coding of a 4-token last chunk moved logits by ~1e-2)."""
-        few = num_tokens <= quantized.COMPILED_MAX_ROWS and (decode or not self.int8_matmul)
-        self._compiled_pass = self.quantized_matmul and (few or self._int8_everywhere)
+        self._compiled_pass = self._compiled_for(num_tokens, decode)
 
     @property
     def _int8_everywhere(self) -> bool:
         return self.int8_matmul and int8_matmul.VNNI
 
+    def _compiled_for(self, rows: int, decode: bool) -> bool:
+        few = rows <= quantized.COMPILED_MAX_ROWS and (decode or not self.int8_matmul)
+        return self.quantized_matmul and (few or self._int8_everywhere)
+
     def _compiled(self, rows: int) -> bool:
-        if self._compiled_pass is not None:
-            return self._compiled_pass
-        return self.quantized_matmul and (rows <= quantized.COMPILED_MAX_ROWS or self._int8_everywhere)
+        """The pass's choice; a call outside a pass decides by its own rows, as a prompt's."""
+        return self._compiled_pass if self._compiled_pass is not None else self._compiled_for(rows, False)
 
     def run_forward(self, model, inp) -> np.ndarray:
         """model.forward(inp), replayed from its captured program for decode passes of a few rows
@@ -143,7 +145,7 @@ class CPUBackend:
         if replayed is not None:
             return replayed
         hidden = model.forward(inp)
-        self.begin_pass(hidden.shape[0], inp.attention.all_decode)   # the logits product: by its own rows
+        self.begin_pass(hidden.shape[0], inp.attention.decode_pass)   # the logits product: by its own rows
         return model.logits(hidden), None
 
     def _replayed(self, model, inp, logits: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
@@ -159,8 +161,8 @@ class CPUBackend:
 
     def _replay_for(self, model, inp, logits: bool) -> graph_replay.Replay | None:
         rows, meta = len(inp.token_ids), inp.attention
-        if not (self.graph_replay and self.int8_matmul and rows <= REPLAY_MAX_ROWS and meta.causal
-                and meta.all_decode and len(inp.output_rows) == rows):
+        if not (self.graph_replay and self.int8_matmul and rows <= REPLAY_MAX_ROWS and meta.decode_pass
+                and len(inp.output_rows) == rows):
             return None
         key = (id(model), rows, id(model.kv_caches[0][0]) if model.kv_caches else 0, logits)
         if key not in self._replays:

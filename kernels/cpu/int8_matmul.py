@@ -129,7 +129,7 @@ def from_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]], dense: np.n
     padded = np.zeros((n_tiles * TILE, n_in), np.uint8)
     row = 0
     for c in codes:
-        padded[row:row + c.shape[0]] = (c + bias).astype(np.int16) & 0xFF
+        padded[row:row + c.shape[0]] = (c + bias) & 0xFF        # int16 codes: AVX2's negative ones as bytes
         row += c.shape[0]
     # [tile, out, group, step, 4] -> [tile, group, step, out, 4]: one 64-byte load feeds 16 outputs
     tiled = padded.reshape(n_tiles, TILE, n_in // group, group // 4, 4).transpose(0, 2, 3, 1, 4)
