@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import addresses, decode_attention, elementwise, get_rows, int8_matmul, row_argmax, spin_barrier
+from kernels.cpu import (addresses, decode_attention, elementwise, get_rows, input_coding, int8_matmul, row_argmax,
+                         spin_barrier)
 from kernels.cpu.graph_capture import (ADD, ATTENTION, GELU_TANH_GATE, MATMUL, RMS_NORM, ROPE, SCALE, SHARED,
                                        SWIGLU, Program, Unsupported)
 
@@ -75,7 +76,7 @@ def _matrix_table(matrices: list) -> np.ndarray:
 
 if available():
     _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
-    _quantize, _ROWS, _TILE = int8_matmul._quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
+    _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
     _store_half = decode_attention.store_half_row
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2

@@ -1,4 +1,4 @@
-"""Matrix products in 8-bit integers on AVX-512 VNNI CPUs, accurate to float32's order.
+"""Matrix products in 8-bit integers (AVX-512 VNNI, or AVX2), accurate to float32's order.
 
 The weights stay in their GGUF codes, biased to unsigned bytes when signed: the
 block's code with its d (and minimum m) for the 32-weight types, each sub-block's
@@ -7,7 +7,7 @@ fl(scale * code) + offset must give back ggml's weight bit for bit, or the matri
 is not taken. Each input row is coded per group of 32 (16) inputs in two 8-bit
 levels: first as ggml codes activations (quantize_row_q8_0: d = max|x| / 127 kept
 as fp16, q = round(x * 127 / max|x|)), then what that leaves, x - d * q, the same
-way. Per output n and group g
+way (kernels/cpu/input_coding.py). Per output n and group g
 
     out[n] += sum_l (scale[n, g] * d_l[g]) * sum_k(code[n, k] * q_l[k]) + offset[n, g] * s[g]
 
@@ -23,7 +23,7 @@ The inner kernel is written in LLVM IR through a numba intrinsic (numba has no
 vector types): one tile of 32 outputs by 3 input rows (or 1), the tile's codes
 laid out as [group, step, 32 outputs, 4 inputs] so that one 64-byte load feeds
 16 outputs; each row is computed the same way whatever rows share its call.
-Only built where the CPU has AVX-512 VNNI (llvmlite reports the host's features).
+Only built where the CPU has AVX-512 VNNI or AVX2 (llvmlite reports the host's features).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
-from kernels.cpu import quantized
+from kernels.cpu import input_coding, quantized
 from shared.dequant import dequantize
 
 try:
@@ -335,75 +335,7 @@ if available():
 
     _tile_rows_block = _tile_kernel(ROWS, LEVELS)
     _tile_rows1 = _tile_kernel(1, LEVELS)
-
-    @intrinsic
-    def _bits_of(typingctx, x):
-        """The int32 bit pattern of the float32 x."""
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-        return types.int32(types.float32), codegen
-
-    @intrinsic
-    def _float_of(typingctx, u):
-        """The float32 whose bit pattern is the int32 u."""
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.FloatType())
-        return types.float32(types.int32), codegen
-
-    @njit(inline="always")
-    def _fp16_round(x):  # pragma: no cover - compiled
-        """x rounded to the nearest float16 (ties to even), as GGML_FP32_TO_FP16 stores it: on the
-        bits, keeping 10 of float32's 23 mantissa bits (the same values as frexp/ldexp on 20 M random
-        floats; a row's two-level coding 15-23 % faster)."""
-        a = abs(x)
-        if a >= 65520.0:
-            r = np.float32(np.inf)
-        elif a < 6.103515625e-05:                       # float16 subnormals: multiples of 2**-24
-            r = np.float32(np.rint(a * np.float32(16777216.0)) * np.float32(5.9604645e-08))
-        else:
-            u = _bits_of(np.float32(a))
-            r = _float_of((u + np.int32(0x0FFF) + ((u >> np.int32(13)) & np.int32(1))) & np.int32(-8192))
-        return r if x >= 0 else -r
-
-    @njit(nogil=True, cache=True)
-    def _quantize_two_levels(x, group, qx, dx, sx, qsum):  # pragma: no cover - compiled
-        """Level 0 as ggml's quantize_row_q8_0; level 1 the same coding of what level 0 leaves
-        (x - d0 * q0); s the float32 sum of x over the group."""
-        _quantize_row_range(x, group, qx, dx, sx, qsum, 0, x.shape[0])
-
-    @njit(nogil=True, cache=True)
-    def _quantize_row_range(x, group, qx, dx, sx, qsum, r0, r1):  # pragma: no cover - compiled
-        """_quantize_two_levels of rows r0 <= r < r1."""
-        k_in = x.shape[1]
-        rest = np.empty(group, np.float32)
-        for r in range(r0, r1):
-            for g in range(k_in // group):
-                amax = np.float32(0.0)
-                total_x = np.float32(0.0)
-                for k in range(g * group, (g + 1) * group):
-                    amax = max(amax, abs(x[r, k]))
-                    total_x += x[r, k]
-                d = _fp16_round(np.float32(amax / np.float32(127.0)))
-                inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-                total = 0
-                rest_max = np.float32(0.0)
-                for j in range(group):
-                    q = np.int32(np.rint(x[r, g * group + j] * inv))
-                    qx[0, r, g * group + j] = q
-                    total += q
-                    rest[j] = x[r, g * group + j] - d * np.float32(q)
-                    rest_max = max(rest_max, abs(rest[j]))
-                dx[0, r, g] = d
-                qsum[0, r, g] = total
-                inv = np.float32(127.0) / rest_max if rest_max != 0 else np.float32(0.0)
-                total = 0
-                for j in range(group):
-                    q = np.int32(np.rint(rest[j] * inv))
-                    qx[1, r, g * group + j] = q
-                    total += q
-                dx[1, r, g] = np.float32(rest_max / np.float32(127.0))
-                qsum[1, r, g] = total
-                sx[r, g] = total_x
+    _quantize_row_range = input_coding.quantize_row_range
 
     @njit(parallel=True, nogil=True, cache=True)
     def _kernel(x, codes, scale, offset, bias, group, out):  # pragma: no cover - compiled
@@ -417,7 +349,7 @@ if available():
             for r in prange(rows):
                 _quantize_row_range(x, group, qx, dx, sx, qsum, r, r + 1)
         else:
-            _quantize_two_levels(x, group, qx, dx, sx, qsum)
+            _quantize_row_range(x, group, qx, dx, sx, qsum, 0, rows)
         qbias = qsum * np.int32(bias)
         full = rows // ROWS * ROWS
         for t in prange(out.shape[1] // TILE):
@@ -435,7 +367,7 @@ def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np
     q = np.empty((LEVELS, *x.shape), np.int8)
     d, s = np.empty((LEVELS, rows, groups), np.float32), np.empty((rows, groups), np.float32)
     qsum = np.empty((LEVELS, rows, groups), np.int32)
-    _quantize_two_levels(x, group, q, d, s, qsum)
+    input_coding.quantize_two_levels(x, group, q, d, s, qsum)
     return q, d, s, qsum
 
 
