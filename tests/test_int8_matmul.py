@@ -126,6 +126,27 @@ def test_each_row_is_computed_alone():
         np.testing.assert_array_equal(together[i], int8_matmul.matmul(x[i:i + 1], w)[0])
 
 
+@pytest.mark.parametrize("group", [16, 32])
+def test_input_coding_matches_its_definition(group):
+    """kernels/cpu/input_coding.py against two_level_coding: codes, scales and code sums exactly,
+    the group sums to float32's rounding (summed in another order)."""
+    rng = np.random.default_rng(group)
+    rows, k = 5, 8 * group
+    x = (rng.standard_normal((rows, k)) * 10.0 ** rng.integers(-4, 4, (rows, k // group)).repeat(group, 1))
+    x = x.astype(np.float32)
+    x[1, :group] = 0.0                                   # an all-zero group: every code 0
+    x[2, group:2 * group] = 127 / 64                     # d = 1/64 exactly: level 1 has nothing left
+    q, d, s, qsum = int8_matmul.quantize_rows(x, group)
+    levels, want_s = two_level_coding(x, group)
+    for level, (want_q, want_d) in enumerate(levels):
+        np.testing.assert_array_equal(q[level].reshape(rows, -1, group), want_q)
+        np.testing.assert_array_equal(d[level], want_d.astype(np.float32))
+        np.testing.assert_array_equal(qsum[level], want_q.sum(axis=2))
+    np.testing.assert_allclose(s, want_s, rtol=1e-6, atol=1e-6 * np.abs(x).max())
+    assert not q[:, 1, :group].any() and not d[:, 1, 0].any()
+    assert not q[1, 2, group:2 * group].any()
+
+
 def test_fp16_rounding_matches_numpy():
     rng = np.random.default_rng(3)
     values = np.concatenate([
