@@ -37,13 +37,15 @@ if available():
     _I32x16 = ir.VectorType(ir.IntType(32), LANES)
     _I8x16 = ir.VectorType(ir.IntType(8), LANES)
 
-    def _splat(builder, value, vtype):
+    def splat(builder, value, vtype):
+        """value in every lane of a vtype vector."""
         undef = ir.Constant(vtype, ir.Undefined)
         v = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
         return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), vtype.count),
                                                             [0] * vtype.count))
 
-    def _data(context, builder, aryty, ary, elem: ir.Type):
+    def data_pointer(context, builder, aryty, ary, elem: ir.Type):
+        """The array's data as a pointer to elem."""
         data = context.make_array(aryty)(context, builder, ary).data
         return builder.bitcast(data, elem.as_pointer())
 
@@ -95,7 +97,7 @@ if available():
         def level(self, vectors, inv, q_ptr):
             """q = rint(v * inv) stored as bytes at q_ptr; returns (the q as floats, sum of q)."""
             b = self.b
-            inv_v = _splat(b, inv, _F32x16)
+            inv_v = splat(b, inv, _F32x16)
             total = None
             qs = []
             for i, v in enumerate(vectors):
@@ -136,11 +138,11 @@ if available():
             qx_shape = cgutils.unpack_tuple(builder, context.make_array(at[1])(context, builder, qx_a).shape)
             k_in, rows_total = x_shape[1], qx_shape[1]
             groups = builder.sdiv(k_in, group_v)
-            x_p = _data(context, builder, at[0], x_a, f32)
-            qx_p = _data(context, builder, at[1], qx_a, ir.IntType(8))
-            dx_p = _data(context, builder, at[2], dx_a, f32)
-            sx_p = _data(context, builder, at[3], sx_a, f32)
-            qs_p = _data(context, builder, at[4], qs_a, ir.IntType(32))
+            x_p = data_pointer(context, builder, at[0], x_a, f32)
+            qx_p = data_pointer(context, builder, at[1], qx_a, ir.IntType(8))
+            dx_p = data_pointer(context, builder, at[2], dx_a, f32)
+            sx_p = data_pointer(context, builder, at[3], sx_a, f32)
+            qs_p = data_pointer(context, builder, at[4], qs_a, ir.IntType(32))
             q_level = builder.mul(rows_total, k_in)            # level strides of qx and of dx/qsum
             g_level = builder.mul(rows_total, groups)
             emit = _Emitter(builder)
@@ -158,7 +160,7 @@ if available():
                                 amax = emit.abs_max(vectors)
                                 d0 = emit.fp16_round(builder.fdiv(amax, f32(127.0)))
                                 q0, total0 = emit.level(vectors, emit.inverse(amax), builder.gep(qx_p, [start]))
-                                d0_v = _splat(builder, d0, _F32x16)
+                                d0_v = splat(builder, d0, _F32x16)
                                 rest = [builder.fsub(v, builder.fmul(d0_v, q)) for v, q in zip(vectors, q0)]
                                 rest_max = emit.abs_max(rest)
                                 _, total1 = emit.level(rest, emit.inverse(rest_max),

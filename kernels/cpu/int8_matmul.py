@@ -183,15 +183,7 @@ if available():
     _I32x16 = ir.VectorType(ir.IntType(32), 16)
     _F32x16 = ir.VectorType(ir.FloatType(), 16)
 
-    def _ptr(context, builder, aryty, ary, elem: ir.Type):
-        data = context.make_array(aryty)(context, builder, ary).data
-        return builder.bitcast(data, elem.as_pointer())
-
-    def _splat(builder, value, vtype):
-        undef = ir.Constant(vtype, ir.Undefined)
-        v = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
-        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), vtype.count),
-                                                            [0] * vtype.count))
+    _ptr, _splat = input_coding.data_pointer, input_coding.splat
 
     _I8x32 = ir.VectorType(ir.IntType(8), 32)
     _I16x16 = ir.VectorType(ir.IntType(16), 16)
