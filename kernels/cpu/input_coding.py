@@ -21,6 +21,7 @@ try:
     from llvmlite import ir
     from numba import njit, types
     from numba.core import cgutils
+    from numba.core.errors import TypingError
     from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
@@ -50,7 +51,7 @@ if available():
         return builder.bitcast(data, elem.as_pointer())
 
     class _Emitter:
-        """IR for one group of `nv` 16-float vectors."""
+        """IR for the pieces of one group's coding, on its one or two 16-float vectors."""
 
         def __init__(self, builder):
             self.b = builder
@@ -128,6 +129,8 @@ if available():
         """Rows r0 <= r < r1 of x (float32 [rows, in], C order) coded into qx int8 [2, rows, in],
         dx float32 [2, rows, groups], sx float32 [rows, groups], qsum int32 [2, rows, groups];
         group 16 or 32."""
+        if any(a.layout != "C" for a in (x, qx, dx, sx, qsum)):
+            raise TypingError("the input coding reads and writes C-contiguous arrays only")
         sig = types.void(x, qx, dx, sx, qsum, r0, r1, group)
 
         def codegen(context, builder, signature, args):
