@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PYTHON ?= python3
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-all bench serve clean protos
+.PHONY: install test test-all bench profile-decode serve clean protos
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ serve: install
 
 bench: install
 	$(PY) loadtest/bench_forward.py
+
+# where a single-sequence decode step's time goes, per thread and phase of the replayed region
+profile-decode: install
+	$(PY) loadtest/profile_decode.py --model $(or $(MODEL),smollm2-135m)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -99,6 +99,34 @@ def test_replayed_logits_bring_their_argmax_and_forwards_replay_alone(model, eng
     np.testing.assert_array_equal(argmax, np.argmax(logits, axis=1))
 
 
+def test_a_profiled_replay_stamps_every_operation_in_order_and_computes_the_same(engines):
+    """With Replay.cycle_log set (loadtest/profile_decode.py), each thread stamps the time-stamp
+    counter at every operation and meeting, in program order, and the pass's numbers do not change."""
+    runner, prompt, table = smollm2_prefilled(engines, 940, 700)
+    ops = runner.ops
+    sequences = [(940, prompt, table, 3000)]
+    ops.graph_replay = True
+    plain = runner.forward_logits(decode_chunks(sequences, 0))
+    replay = next(r for key, r in ops._replays.items() if key[1] == 1 and key[3] and r is not None)
+    replay.cycle_log = []
+    try:
+        profiled = runner.forward_logits(decode_chunks(sequences, 0))     # rewrites the same K/V
+    finally:
+        log, replay.cycle_log = replay.cycle_log, None
+    np.testing.assert_array_equal(profiled, plain)
+    assert len(log) == 1
+    stamps = log[0]
+    n_ops = len(replay.program.ops)
+    assert stamps.shape == (replay.n_threads, n_ops + 3, 2)
+    for th in range(replay.n_threads):
+        order = np.concatenate([[stamps[th, 0, 0]], stamps[th, 1:].reshape(-1)])
+        assert np.all(order > 0)
+        assert np.all(np.diff(order) >= 0), f"thread {th}'s stamps are out of order"
+        meets = [i for i, op in enumerate(replay.program.ops) if op[0] in (MATMUL, ATTENTION)]
+        work = stamps[th, [i + 1 for i in meets], 1] - stamps[th, [i + 1 for i in meets], 0]
+        assert np.all(work > 0), "a product or attention took no cycles"
+
+
 class _InputRows:
     """Stands in for the backend of a replay whose input table has no Q8_0 rows: it hands over the rows."""
 

@@ -80,6 +80,7 @@ if available():
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
     _store_half = decode_attention.store_half_row
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
+    _cycles = spin_barrier.cycle_counter
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
     _embedding_row = get_rows.q8_0_row
     _gelu_row = elementwise.gelu_tanh_gate_row
@@ -239,8 +240,11 @@ if available():
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, mats,
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes,
-                positions, token_ids, embedding, f16, output, result, wait_prefetch, greedy, best):  # pragma: no cover
+                positions, token_ids, embedding, f16, output, result, wait_prefetch, greedy, best, stamps):  # pragma: no cover
+        timed = stamps.shape[0] > 0     # stamps[th, 1 + i]: (op i starts, its meeting starts); see Replay.cycle_log
         for th in prange(n_threads):
+            if timed:
+                stamps[th, 0, 0] = _cycles()
             own = private[th]
             bits = bits_s[th]
             scratch = x_s[th]
@@ -259,12 +263,16 @@ if available():
                         _embedding_row(embedding, token_ids[r], _row(values, 0, r, shared, own), f16)
             for i in range(0 if bad else ops.shape[0]):
                 code, dst, a, b = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
+                if timed:
+                    stamps[th, i + 1, 0] = stamps[th, i + 1, 1] = _cycles()
                 if code == MATMUL:
                     _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, mats,
                             x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s)
                     if prefetch_bytes > 0 and next_matrix[i] >= 0:
                         _prefetch_start(next_matrix[i], th, n_threads, mats, prefetch_bytes)
                     met += 1
+                    if timed:
+                        stamps[th, i + 1, 1] = _cycles()
                     if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, mats, prefetch_bytes,
                                        wait_prefetch):
                         break
@@ -272,6 +280,8 @@ if available():
                     _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
                                slots, scratch)
                     met += 1
+                    if timed:
+                        stamps[th, i + 1, 1] = _cycles()
                     if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, mats, 0, wait_prefetch):
                         break
                 elif code == ROPE:
@@ -298,6 +308,8 @@ if available():
                             _swiglu_row(src, _row(values, b, r, shared, own), out, bits)
                         elif code == GELU_TANH_GATE:
                             _gelu_row(src, _row(values, b, r, shared, own), out, bits)
+            if timed:
+                stamps[th, ops.shape[0] + 1, 0] = stamps[th, ops.shape[0] + 1, 1] = _cycles()
             if not bad and sync[1] == 0:
                 _output(values, output, rows, th, n_threads, shared, own, result, best)
                 if greedy.shape[0] > 0 and _meet(sync, n_threads, met + 1, sync, 0, 0) and th == 0:
@@ -308,6 +320,8 @@ if available():
                             if best[t, r, 0] > best[pick, r, 0]:
                                 pick = t
                         greedy[r] = -1 if special else int(best[pick, r, 1])
+            if timed:
+                stamps[th, ops.shape[0] + 2, 0] = stamps[th, ops.shape[0] + 2, 1] = _cycles()
 
 
 class Replay:
@@ -344,6 +358,12 @@ class Replay:
         self.result_shape = (rows, int(p.values[p.output, 4]))
         self.best = np.zeros((n, rows, 3), np.float64)      # each thread's (largest, where, NaN/inf) per row
         self.no_greedy = np.zeros(0, np.int64)
+        self.no_stamps = np.zeros((0, 0, 2), np.int64)
+        # set to a list to profile: each run appends its cycle stamps (int64 [threads, ops + 3, 2]:
+        # [th, 0] the region entered, [th, 1 + i] = (op i starts, its meeting starts: the op's end
+        # for a product or attention, else its start), [th, ops + 1] the result's copy starts,
+        # [th, ops + 2] the region's work ends); loadtest/profile_decode.py reads them
+        self.cycle_log: list[np.ndarray] | None = None
         self.rope_cos = self.rope_sin = np.zeros((1, 1, 1), np.float32)
         self._rope_of: list[np.ndarray] = []
 
@@ -368,11 +388,15 @@ class Replay:
         self.sync[2] = self.spin_limit
         result = np.empty(self.result_shape, np.float32)
         greedy = np.empty(rows, np.int64) if p.logits else self.no_greedy
+        stamps = self.no_stamps
+        if self.cycle_log is not None:
+            stamps = np.zeros((self.n_threads, len(p.ops) + 3, 2), np.int64)
+            self.cycle_log.append(stamps)
         _replay(p.ops, p.params, p.values, rows, self.n_threads, self.shared, self.private, self.sync,
                 self.mats, self.norms, self.caches,
                 self.rope_cos, self.rope_sin, tables, ctx, meta.slot_mapping, *self.scratch,
                 self.next_matrix, self.prefetch_bytes, inp.positions, inp.token_ids, self.embedding, get_rows.F16,
-                p.output, result, self.wait_prefetch, greedy, self.best)
+                p.output, result, self.wait_prefetch, greedy, self.best, stamps)
         if self.sync[3]:
             backend.embedding(p.embedding, inp.token_ids)           # raises the IndexError that names the id
             raise IndexError(f"a token id of {inp.token_ids.tolist()} is out of the embedding's range")
@@ -419,4 +443,5 @@ def warm_up() -> None:
     _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32), sync,
             *tables, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0,
             np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.uint8), get_rows.F16, 1,
-            np.zeros((1, 16), np.float32), 0, np.zeros(0, np.int64), np.zeros((n, 1, 3), np.float64))
+            np.zeros((1, 16), np.float32), 0, np.zeros(0, np.int64), np.zeros((n, 1, 3), np.float64),
+            np.zeros((0, 0, 2), np.int64))

@@ -84,6 +84,17 @@ if available():
 
         return sig, codegen
 
+    @intrinsic
+    def cycle_counter(typingctx):
+        """The CPU's time-stamp counter (rdtsc): cycles at a constant rate, for profiling a region."""
+        sig = types.int64()
+
+        def codegen(context, builder, signature, args):
+            fn = builder.module.declare_intrinsic("llvm.readcyclecounter", fnty=ir.FunctionType(ir.IntType(64), []))
+            return builder.call(fn, [])
+
+        return sig, codegen
+
     @njit(inline="always")
     def meet(sync, n_threads, k, ahead, at, end):  # pragma: no cover - compiled
         """Meeting number k (1, 2, ...) of n_threads threads: True once all arrived, False if aborted.
