@@ -142,7 +142,9 @@ def main() -> int:
         keys = list(per_step[0][th].keys())
         medians = {k: float(np.median([p[th][k] for p in per_step])) / rate for k in keys}
         region = medians.pop("region")
-        print(f"thread {th}: region {region:.0f} us")
+        products = sum(us for k, us in medians.items() if k in nbytes)
+        print(f"thread {th}: region {region:.0f} us: products {products:.0f} us "
+              f"({sum(nbytes.values()) / products / 1e3:.1f} GB/s over all), the rest {region - products:.0f} us")
         for k, us in sorted(medians.items(), key=lambda kv: -kv[1]):
             count = labels.count(k.strip().replace("wait after ", ""))
             times = f"({count} a step)" if count else ""
