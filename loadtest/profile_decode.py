@@ -79,7 +79,7 @@ def phases(stamps: np.ndarray, labels: list[str], meets: list[bool]) -> list[dic
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m", help="a bundled model name or a path to a GGUF file")
     ap.add_argument("--sequences", type=int, default=4, help="greedy sequences decoded one after another")
     ap.add_argument("--tokens", type=int, default=80, help="decode steps per sequence")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
