@@ -56,6 +56,13 @@ def op_labels(program) -> tuple[list[str], dict[str, int]]:
     return labels, dict(nbytes)
 
 
+def meetings(program) -> list[bool]:
+    """For each operation, whether the threads meet after it (products and attention)."""
+    from kernels.cpu import graph_capture as gc
+
+    return [int(op[0]) in (gc.MATMUL, gc.ATTENTION) for op in program.ops]
+
+
 def phases(stamps: np.ndarray, labels: list[str], meets: list[bool]) -> list[dict[str, float]]:
     """Per thread, cycles by phase of one step's stamps (int64 [threads, ops + 3, 2])."""
     n_ops = len(labels)
@@ -85,7 +92,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
     args = ap.parse_args()
 
-    from kernels.cpu import graph_capture, graph_replay
+    from kernels.cpu import graph_replay
     from scheduler.sequence import Sequence
     from shared.sampling_params import SamplingParams
     from tensorserve.local import LocalEngine
@@ -130,8 +137,7 @@ def main() -> int:
 
     program = replay.program
     labels, nbytes = op_labels(program)
-    meets = [int(op[0]) in (graph_capture.MATMUL, graph_capture.ATTENTION) for op in program.ops]
-    per_step = [phases(s, labels, meets) for s in log]
+    per_step = [phases(s, labels, meetings(program)) for s in log]
     rate = cycles_per_us()
     n_threads = len(per_step[0])
     print(f"{args.model}: {len(log)} decode steps of {args.sequences} sequences ({args.prompt}-token prompts), "

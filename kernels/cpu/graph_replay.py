@@ -240,7 +240,8 @@ if available():
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, mats,
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes,
-                positions, token_ids, embedding, f16, output, result, wait_prefetch, greedy, best, stamps):  # pragma: no cover
+                positions, token_ids, embedding, f16, output, result, wait_prefetch, greedy, best,
+                stamps):  # pragma: no cover
         timed = stamps.shape[0] > 0     # stamps[th, 1 + i]: (op i starts, its meeting starts); see Replay.cycle_log
         for th in prange(n_threads):
             if timed:
