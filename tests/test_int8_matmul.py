@@ -126,6 +126,33 @@ def test_each_row_is_computed_alone():
         np.testing.assert_array_equal(together[i], int8_matmul.matmul(x[i:i + 1], w)[0])
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_two_tiles_read_at_once_give_each_tile_as_alone(name):
+    """The one-row kernel that streams two tiles together (the replayed decode products) gives
+    both tiles' outputs bit for bit as the one-tile kernel does, offsets and groups of 16 included."""
+    from numba import njit
+
+    @njit
+    def both_ways(w_codes, qx, dx, sx, qbias, scale, offset, n_tiles, group, pairs, alone):
+        for t in range(n_tiles):
+            int8_matmul._tile_rows1(w_codes, qx, dx, sx, qbias, scale, offset, alone, t, 0, group)
+        for t in range(n_tiles // 2):
+            int8_matmul._tile_pair1(w_codes, qx, dx, sx, qbias, scale, offset, pairs, t, n_tiles - 1 - t, 0, group)
+
+    rng = np.random.default_rng(11)
+    shape = (160, 512)
+    w = int8_matmul.from_parts([(random_tensor(name, *shape, rng), T[name], shape)])
+    x = rng.standard_normal((1, shape[1])).astype(np.float32)
+    q, d, s, qsum = int8_matmul.quantize_rows(x, w.group)
+    qbias = (qsum * np.int32(w.bias)).astype(np.int32)
+    pairs, alone = (np.zeros((1, w.n_tiles * int8_matmul.TILE), np.float32) for _ in range(2))
+    both_ways(w.codes, q, d, s, qbias, w.scale, w.offset, w.n_tiles, w.group, pairs, alone)
+    assert w.n_tiles == 5 and np.abs(alone).max() > 0
+    np.testing.assert_array_equal(alone, int8_matmul.matmul(x, w))
+    paired = np.r_[0:64, 96:160]                          # five tiles of 32: pairs (0, 4) and (1, 3)
+    np.testing.assert_array_equal(pairs[:, paired], alone[:, paired])
+
+
 @pytest.mark.parametrize("group", [16, 32])
 def test_input_coding_matches_its_definition(group):
     """kernels/cpu/input_coding.py against two_level_coding: codes, scales and code sums exactly,

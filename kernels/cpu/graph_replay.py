@@ -38,7 +38,9 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 
 SYNC_CLAIMS = 4     # sync[:3] is the barrier's (spin_barrier.py), sync[3] a token id out of range; then
                     # each product's tiles taken, per share
-CLAIM = 4           # tiles a thread takes at a time: 72-256 KiB of codes
+CLAIM = 4           # tiles a thread takes at a time: 72-256 KiB of codes (twice that for one row,
+                    # whose claim is read as two streams of tiles at once: 1-2 % a SmolLM2 decode step on
+                    # a Xeon whose cores each stream ~10 GB/s, in-process A/B; claims of 8 another ~1 %)
 # A thread done with a product asks for the first 4 KiB of its share of the next one (and their
 # scales) before it waits at the barrier: in-process A/Bs on a Zen 4 EPYC, Gemma 3 decode steps
 # -3.6/-6.0/-5.0 %, SmolLM2 -5/-0.8 %; 8 KiB was as good for SmolLM2, 16 KiB worse.
@@ -76,6 +78,7 @@ def _matrix_table(matrices: list) -> np.ndarray:
 
 if available():
     _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
+    _tile_pair = int8_matmul._tile_pair1
     _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
     _store_half = decode_attention.store_half_row
@@ -135,14 +138,19 @@ if available():
             lo, hi = n_tiles * share // n_threads, n_tiles * (share + 1) // n_threads
             counter = SYNC_CLAIMS + i * n_threads + share
             taken_here = 0
+            claim = 2 * CLAIM if rows == 1 else CLAIM
             while True:
-                before = _atomic_add(sync, counter, CLAIM)
+                before = _atomic_add(sync, counter, claim)
                 if before >= hi - lo:
                     break
-                count = min(CLAIM, hi - lo - before)
+                count = min(claim, hi - lo - before)
                 first = lo + taken_here if k == 0 else hi - taken_here - count
                 taken_here += count
-                for t in range(first, first + count):
+                pairs = count // 2 if rows == 1 else 0     # one row: the claim read as two streams
+                for j in range(pairs):
+                    _tile_pair(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, first + j, first + pairs + j,
+                               0, group)
+                for t in range(first + 2 * pairs, first + count):
                     for r0 in range(0, full, _ROWS):
                         _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
                     for r0 in range(full, rows):
