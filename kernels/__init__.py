@@ -100,6 +100,10 @@ class Backend(Protocol):
         """model.logits(model.forward(inp)) (every row of the pass an output row), and each row's
         argmax where the backend computed it on the way (-1: a row with a NaN or infinite logit),
         else None."""
+    def run_greedy_steps(self, model: Any, inp: Any, steps: int) -> np.ndarray | None:
+        """Optional (the runner asks with getattr): `steps` greedy decode passes in one call, each
+        taking the tokens of the one before one position on; int64 [steps, rows] (-1 from a row's
+        NaN or infinite logits on), or None where the backend does not do this for `inp`."""
     def asarray(self, x: np.ndarray) -> Array: ...
     def to_numpy(self, x: Array) -> np.ndarray: ...
     def prepare_weight(self, w: np.ndarray, encoded: list[tuple[np.ndarray, int, tuple[int, int]]] | None = None

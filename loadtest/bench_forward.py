@@ -16,8 +16,12 @@ Each model runs in its own subprocess so
 peak memory is its own. With --peer-python (a venv that has llama-cpp-python) it runs
 loadtest/peer_llamacpp.py on the same GGUF files in the same run and prints the ratios.
 
-    python loadtest/bench_forward.py [--models smollm2-135m gemma3-270m] [--json]
+    python loadtest/bench_forward.py [--models smollm2-135m gemma3-270m] [--json] [--decode-steps K]
                                      [--peer-python /path/to/peer-venv/bin/python]
+
+With --decode-steps K the engine decodes K tokens a worker call where only decodes run
+(multi-step scheduling, `tensorserve serve --num-decode-steps`): the host's work per call
+(scheduling, packing, sampling, the compiled region's entry) is paid once per K tokens.
 """
 from __future__ import annotations
 
@@ -111,11 +115,12 @@ def weight_bytes_per_token(model) -> tuple[int, int]:
     return read, dense
 
 
-def bench_model(name: str) -> dict:
+def bench_model(name: str, decode_steps: int = 1) -> dict:
     from shared.sampling_params import SamplingParams
     from tensorserve.local import LocalEngine
 
-    engine = LocalEngine(name, load_tokenizer=False, max_num_batched_tokens=PROMPT_TOKENS, max_num_seqs=BATCH)
+    engine = LocalEngine(name, load_tokenizer=False, max_num_batched_tokens=PROMPT_TOKENS, max_num_seqs=BATCH,
+                         num_decode_steps=decode_steps)
     vocab = engine.config.vocab_size
     rng = np.random.default_rng(0)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
@@ -137,18 +142,19 @@ def bench_model(name: str) -> dict:
         while any(len(s.output) == 0 for s in seqs):      # prefill (and first token) untimed
             engine.engine.step()
         t = time.perf_counter()
-        steps = 0
+        before = sum(len(s.output) for s in seqs)
         while engine.engine.has_work():
             engine.engine.step()
-            steps += 1
-        return steps * n_seqs / (time.perf_counter() - t)
+        return (sum(len(s.output) for s in seqs) - before) / (time.perf_counter() - t)
 
-    # single-sequence decode: three sequences of 64 timed tokens, in segments of 16 steps, each
-    # paired with the bandwidth probed just before and after it (the higher of the two)
+    # single-sequence decode: three sequences of 64 timed tokens, in segments of 16 tokens (16 steps,
+    # or 16 / decode_steps calls of decode_steps tokens), each paired with the bandwidth probed just
+    # before and after it (the higher of the two)
     def paired_decode(probe: BandwidthProbe) -> tuple[float, list[tuple[float, float, float]]]:
         from scheduler.sequence import Sequence
         n_segments = DECODE_TOKENS // SEGMENT
-        seq = Sequence(rng.integers(1000, vocab - 1000, 16).tolist(), greedy(1 + n_segments * (SEGMENT + 1)))
+        seq = Sequence(rng.integers(1000, vocab - 1000, 16).tolist(),
+                       greedy(1 + n_segments * (SEGMENT + decode_steps)))
         engine.engine.add(seq)
         while not seq.output:                             # prefill (and first token) untimed
             engine.engine.step()
@@ -157,13 +163,14 @@ def bench_model(name: str) -> dict:
         for _ in range(n_segments):
             engine.engine.step()                          # untimed: the probe left the caches cold
             t = time.perf_counter()
-            ends = []
-            for _ in range(SEGMENT):
+            ends, start = [], len(seq.output)
+            while len(seq.output) - start < SEGMENT:
                 engine.engine.step()
                 ends.append(time.perf_counter())
             elapsed = ends[-1] - t
             after = probe()
-            steady = 1.0 / float(np.median(np.diff([t] + ends)))   # the median step: host pauses left out
+            # the median call: host pauses left out
+            steady = (SEGMENT / len(ends)) / float(np.median(np.diff([t] + ends)))
             segments.append((SEGMENT / elapsed, max(before, after), steady))
             timed += elapsed
             before = after
@@ -222,17 +229,22 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--peer-python", default=os.environ.get("TS_PEER_PYTHON"),
                     help="python of a venv with llama-cpp-python, to run the peer side by side [env TS_PEER_PYTHON]")
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="the engine's num_decode_steps: tokens a decode-only step computes in one worker "
+                         "call (multi-step scheduling; 16 must be a multiple) [default 1]")
     ap.add_argument("--one", help=argparse.SUPPRESS)   # internal: bench one model in this process
     ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth-probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.decode_steps < 1 or SEGMENT % args.decode_steps:
+        ap.error(f"--decode-steps must divide {SEGMENT}, got {args.decode_steps}")
 
     if args.bandwidth_probe:
         serve_bandwidth_probes()
         return 0
 
     if args.one:
-        print(json.dumps(bench_model(args.one)))
+        print(json.dumps(bench_model(args.one, args.decode_steps)))
         return 0
     if args.bandwidth:
         print(json.dumps(measure_bandwidth_gbs()))
@@ -241,11 +253,12 @@ def main() -> int:
     # every measurement runs in a child of this small process, so no child inherits a large parent's RSS
     bandwidth = json.loads(subprocess.run([sys.executable, __file__, "--bandwidth"], capture_output=True,
                                           text=True, check=True).stdout)
-    results: dict[str, object] = {"memory_bandwidth_gbs": bandwidth}
+    results: dict[str, object] = {"memory_bandwidth_gbs": bandwidth, "decode_steps": args.decode_steps}
     rows = []
     for name in args.models:
         # the child's stderr passes through: a warning (a replay that fell back, say) shows in the run
-        proc = subprocess.run([sys.executable, __file__, "--one", name], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.run([sys.executable, __file__, "--one", name, "--decode-steps", str(args.decode_steps)],
+                              stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             return 1
         r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -259,7 +272,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, indent=None))
         return 0
-    print(f"memory bandwidth (1 x 16384 @ 16384 x 16384 float32) at the start: {bandwidth:.1f} GB/s")
+    print(f"memory bandwidth (1 x 16384 @ 16384 x 16384 float32) at the start: {bandwidth:.1f} GB/s; "
+          f"decode steps a worker call: {args.decode_steps}")
     head = f"{'model':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>6} {'bound tok/s':>12} " \
            f"{'of bound':>9} {'fp32 bound':>11} {'of fp32':>8} {'32-seq tok/s':>13} {'peak RSS MiB':>13}"
     print(head)

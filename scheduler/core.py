@@ -67,13 +67,14 @@ class SchedulerCore:
 
     def __init__(self, worker_address: str | None, transport: str | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
-                 max_prefill_tokens_while_decoding: int | None = None,
+                 max_prefill_tokens_while_decoding: int | None = None, num_decode_steps: int = 1,
                  retry_initial_s: float = 0.2, retry_max_s: float = 2.0):
         self.worker_address = worker_address
         self.transport = transport
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.num_decode_steps = num_decode_steps
         self.enable_prefix_caching = enable_prefix_caching
         self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
         self._cond = threading.Condition()
@@ -264,7 +265,8 @@ class SchedulerCore:
         return Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
                       max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                       fingerprint=d.fingerprint, enable_prefix_caching=self.enable_prefix_caching,
-                      submit=self._submit, max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding)
+                      submit=self._submit, max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
+                      num_decode_steps=self.num_decode_steps)
 
     def _on_worker_failure(self, exc: WorkerFailure) -> None:
         message = str(exc)

@@ -35,13 +35,14 @@ class _Launched:
     plan: list[tuple[Sequence, int]]
     chunks: list[SeqChunk]
     wait: Callable[[], StepResult]
+    steps: int = 1
 
 
 class Engine:
     def __init__(self, executor: Executor, num_blocks: int, block_size: int, max_context: int,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  fingerprint: str = "", enable_prefix_caching: bool = True, submit: Submit | None = None,
-                 max_prefill_tokens_while_decoding: int | None = None):
+                 max_prefill_tokens_while_decoding: int | None = None, num_decode_steps: int = 1):
         self.executor = executor
         self.submit = submit
         self._in_flight: _Launched | None = None
@@ -52,6 +53,10 @@ class Engine:
         # inter-token latency is that step's time (vLLM: long_prefill_token_threshold)
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # a step that only decodes, with nothing waiting, runs up to this many tokens in one worker
+        # call (vLLM's multi-step scheduling): the host's work per step is paid once for all of them,
+        # and a sequence's tokens reach its client that many at a time
+        self.num_decode_steps = max(1, num_decode_steps)
         self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.preempted: list[Sequence] = []            # resumed before any waiting one, oldest first
@@ -217,30 +222,48 @@ class Engine:
                     raise RuntimeError("no sequence could be scheduled: the KV pool is too small for the "
                                        "waiting prompt")
                 return []
-            self._in_flight = self._launch(plan)
+            self._in_flight = self._launch(plan, self._decode_steps(plan))
         current = self._in_flight
         ahead = self._plan_ahead(current) if self.submit is not None else None
         self._in_flight = self._launch(ahead) if ahead else None
         return self._fold(current)
 
-    def _launch(self, plan: list[tuple[Sequence, int]]) -> _Launched:
+    def _decode_steps(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Tokens the planned step decodes in one call (num_decode_steps), its block tables grown for
+        them: only when every running sequence decodes, nothing waits to be admitted, and the blocks
+        are free; never past a sequence's max_tokens or the context."""
+        if self.num_decode_steps <= 1 or self.waiting or self.preempted or len(plan) != len(self.running):
+            return 1
+        if not all(n == 1 and seq.num_computed == seq.num_tokens - 1 and not seq.score_top_k for seq, n in plan):
+            return 1
+        steps = min(self.num_decode_steps, *(seq.params.max_tokens - len(seq.output) for seq, _ in plan),
+                    *(self.max_context - seq.num_tokens for seq, _ in plan))
+        need = sum(max(0, self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.block_table))
+                   for seq, _ in plan)
+        if steps <= 1 or need > self.blocks.num_free:
+            return 1
+        for seq, _ in plan:
+            self.blocks.grow(seq.block_table, seq.num_computed + steps)
+        return steps
+
+    def _launch(self, plan: list[tuple[Sequence, int]], steps: int = 1) -> _Launched:
         chunks = [self._chunk(seq, n) for seq, n in plan]
-        request = StepRequest(chunks, finished=self._finished_ids, copy_blocks=self._copies)
+        request = StepRequest(chunks, finished=self._finished_ids, copy_blocks=self._copies, num_steps=steps)
         self._finished_ids, self._copies = [], []
         self.blocks.free(self._copy_sources)          # the worker copies them before any later step runs
         for seq, n in plan:
-            seq.num_computed += n                      # in flight: the worker is computing them
+            seq.num_computed += n + steps - 1          # in flight: the worker is computing them
         if self.submit is not None:
-            return _Launched(plan, chunks, self.submit(request))
+            return _Launched(plan, chunks, self.submit(request), steps)
         result = self.executor(request)
-        return _Launched(plan, chunks, lambda: result)
+        return _Launched(plan, chunks, lambda: result, steps)
 
     def _plan_ahead(self, current: _Launched) -> list[tuple[Sequence, int]] | None:
         """The next decode step, if it can be decided before `current` returns: `current` only
         decodes, nothing waits to be admitted, and the blocks the next tokens need are free.
         A sequence that `current` surely finishes (max_tokens, context) is left out; one that
         stops on a token it samples there costs a wasted row."""
-        if self.waiting or self.preempted:
+        if self.waiting or self.preempted or current.steps > 1:
             return None
         if not all(n == 1 and c.sample and not c.score_top_k for (_, n), c in zip(current.plan, current.chunks)):
             return None
@@ -257,13 +280,12 @@ class Engine:
 
     def _fold(self, launched: _Launched) -> list[Sequence]:
         result = launched.wait()
-        by_id = {r.seq_id: r for r in result.results}
+        by_step = [{r.seq_id: r for r in results} for results in [result.results, *result.later]]
         progressed = []
         for (seq, n), chunk in zip(launched.plan, launched.chunks):
             if seq.status is Status.FINISHED:          # aborted, or stopped while this step ran
                 continue
-            self._commit_full_blocks(seq, chunk.start_pos + n)
-            r = by_id[seq.seq_id]
+            r = by_step[0][seq.seq_id]
             if r.score_ids is not None:
                 targets = r.score_target_logprobs if r.score_target_logprobs is not None \
                     else [None] * len(r.score_ids)
@@ -271,11 +293,17 @@ class Engine:
                 if seq.num_computed == seq.num_tokens and not seq.generate_after_score:
                     seq.finish_reason = "scored"
             if chunk.sample:
-                seq.append(r.token_id)
-                seq.logprobs.append(r.logprob)
-                seq.top_logprobs.append((r.top_ids, r.top_logprobs))
-                if seq.finish_reason is None and seq.num_tokens >= self.max_context:
-                    seq.finish_reason = "length"
+                for by_id in by_step:                  # a multi-step call's tokens up to the sequence's stop
+                    if seq.finish_reason is not None:
+                        break
+                    r = by_id[seq.seq_id]
+                    seq.append(r.token_id)
+                    seq.logprobs.append(r.logprob)
+                    seq.top_logprobs.append((r.top_ids, r.top_logprobs))
+                    if seq.finish_reason is None and seq.num_tokens >= self.max_context:
+                        seq.finish_reason = "length"
+            # the K/V written for positions whose input token the sequence kept
+            self._commit_full_blocks(seq, min(chunk.start_pos + n + launched.steps - 1, seq.num_tokens))
             if chunk.sample or seq.finish_reason:
                 progressed.append(seq)
             if seq.finish_reason:

@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens a step that also decodes takes at most; a step's time is the "
                              "decodes' inter-token latency, so this bounds it while prompts arrive "
                              "[env TS_MAX_PREFILL_TOKENS_WHILE_DECODING, default 48]")
+    parser.add_argument("--num-decode-steps", type=int, default=int(_env("TS_NUM_DECODE_STEPS", 1)),
+                        help="tokens a step that only decodes (nothing waiting) computes in one worker call, "
+                             "each sequence's next input the token it sampled (vLLM's multi-step "
+                             "scheduling): the host's work per step is paid once for all of them, and "
+                             "tokens reach clients that many at a time [env TS_NUM_DECODE_STEPS, default 1]")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=_env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
                         help="reuse the KV of full blocks shared with earlier prompts "
@@ -70,6 +75,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}"
     if args.max_prefill_tokens_while_decoding < 1:
         return f"--max-prefill-tokens-while-decoding must be >= 1, got {args.max_prefill_tokens_while_decoding}"
+    if args.num_decode_steps < 1:
+        return f"--num-decode-steps must be >= 1, got {args.num_decode_steps}"
     if args.grace_period < 0:
         return f"--grace-period must be >= 0, got {args.grace_period}"
     if args.worker and ":" not in args.worker:
@@ -99,7 +106,7 @@ async def _serve(args: argparse.Namespace) -> int:
     core = SchedulerCore(args.worker, args.tensor_transport, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
-                         enable_prefix_caching=args.enable_prefix_caching)
+                         enable_prefix_caching=args.enable_prefix_caching, num_decode_steps=args.num_decode_steps)
     server, port = build_server(core, args.host, args.port)
     await server.start()
     core.start()

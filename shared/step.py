@@ -37,6 +37,10 @@ class StepRequest:
     # (src, dst) KV blocks to copy, every layer, before the forward: a prompt sharing the first
     # tokens of a cached block continues in a copy of it
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # > 1: decode this many tokens in a row (every chunk one decode token that samples; each block
+    # table covering start_pos + num_steps positions), each step's input the token sampled in the
+    # one before; the scheduler drops what follows a sequence's stop (vLLM's multi-step scheduling)
+    num_steps: int = 1
 
 
 @dataclass
@@ -55,3 +59,4 @@ class SeqResult:
 class StepResult:
     results: list[SeqResult]
     tokens_computed: int = 0
+    later: list[list[SeqResult]] = field(default_factory=list)   # steps 2.. of a multi-step request

@@ -63,7 +63,7 @@ def step_request_to_proto(request: StepRequest, codec: TensorCodec | None = None
                           step_id: int = 0) -> worker_pb2.StepRequest:
     codec = _codec(codec)
     codec.begin_message()
-    msg = worker_pb2.StepRequest(step_id=step_id)
+    msg = worker_pb2.StepRequest(step_id=step_id, num_steps=int(request.num_steps))
     for c in request.chunks:
         m = msg.chunks.add()
         m.seq_id = int(c.seq_id)
@@ -103,7 +103,7 @@ def step_request_from_proto(msg: worker_pb2.StepRequest, codec: TensorCodec | No
         for m in msg.chunks
     ]
     return StepRequest(chunks, finished=list(msg.finished),
-                       copy_blocks=[(c.src, c.dst) for c in msg.copy_blocks])
+                       copy_blocks=[(c.src, c.dst) for c in msg.copy_blocks], num_steps=max(1, msg.num_steps))
 
 
 # ----------------------------------------------------------------- step result
@@ -115,8 +115,15 @@ def step_result_to_proto(result: StepResult, codec: TensorCodec | None = None,
     codec = _codec(codec)
     codec.begin_message()
     msg = worker_pb2.StepResponse(tokens_computed=int(result.tokens_computed), step_id=step_id)
-    for r in result.results:
-        m = msg.results.add()
+    _results_to_proto(result.results, msg.results, codec)
+    for later in result.later:
+        _results_to_proto(later, msg.later.add().results, codec)
+    return msg
+
+
+def _results_to_proto(results: list[SeqResult], out, codec: TensorCodec) -> None:
+    for r in results:
+        m = out.add()
         m.seq_id = int(r.seq_id)
         m.token_id = int(r.token_id)
         m.logprob = float(r.logprob)
@@ -124,13 +131,17 @@ def step_result_to_proto(result: StepResult, codec: TensorCodec | None = None,
             value = getattr(r, name)
             if value is not None:
                 codec.encode_into(value, getattr(m, name))
-    return msg
+
+
+def _results_from_proto(messages, codec: TensorCodec) -> list[SeqResult]:
+    results = []
+    for m in messages:
+        arrays = {name: codec.decode(getattr(m, name)) if m.HasField(name) else None for name in _RESULT_ARRAYS}
+        results.append(SeqResult(seq_id=m.seq_id, token_id=m.token_id, logprob=m.logprob, **arrays))
+    return results
 
 
 def step_result_from_proto(msg: worker_pb2.StepResponse, codec: TensorCodec | None = None) -> StepResult:
     codec = _codec(codec)
-    results = []
-    for m in msg.results:
-        arrays = {name: codec.decode(getattr(m, name)) if m.HasField(name) else None for name in _RESULT_ARRAYS}
-        results.append(SeqResult(seq_id=m.seq_id, token_id=m.token_id, logprob=m.logprob, **arrays))
-    return StepResult(results, tokens_computed=msg.tokens_computed)
+    return StepResult(_results_from_proto(msg.results, codec), tokens_computed=msg.tokens_computed,
+                      later=[_results_from_proto(s.results, codec) for s in msg.later])

@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens a step that also decodes takes at most: bounds the running "
                         "requests' inter-token latency while new prompts arrive "
                         "[env TS_MAX_PREFILL_TOKENS_WHILE_DECODING, default 48]")
+    p.add_argument("--num-decode-steps", default=env("TS_NUM_DECODE_STEPS", "1"),
+                   help="tokens a step that only decodes computes in one worker call (multi-step "
+                        "scheduling): less host work a token, tokens streamed that many at a time "
+                        "[env TS_NUM_DECODE_STEPS, default 1]")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
                    help="reuse the KV of full blocks shared with earlier prompts [env TS_ENABLE_PREFIX_CACHING, "
@@ -113,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
                                             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                             "--max-prefill-tokens-while-decoding",
                                             str(args.max_prefill_tokens_while_decoding),
+                                            "--num-decode-steps", str(args.num_decode_steps),
                                             "--enable-prefix-caching" if args.enable_prefix_caching
                                             else "--no-enable-prefix-caching",
                                             "--grace-period", str(args.grace_period)], ready_dir)

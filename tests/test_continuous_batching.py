@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from conftest import load_fixture
@@ -248,3 +249,88 @@ def test_prompt_logprobs_are_exact_for_unlikely_tokens(runner):
     want = [logp[i, prompt[i + 1]] for i in range(len(prompt) - 1)]
     assert all(np.isfinite(got)) and min(want) < -8                 # really outside any small top-k
     np.testing.assert_allclose(got, want, atol=2e-3)
+
+
+def test_several_decode_steps_a_call_change_no_token(runner):
+    """num_decode_steps=4 (multi-step scheduling): the sixteen requests arriving at random moments
+    still get their solo tokens; steps that only decode ran 4 tokens a call where every sequence
+    had 4 to go, fewer before a max_tokens, one while a prompt waited or prefilled."""
+    requests = sixteen_requests()
+    solo = [alone(runner, p, n) for p, n in requests]
+    calls = []
+
+    def execute(request):
+        calls.append(request.num_steps)
+        return runner.execute(request)
+
+    cap = runner.capacity
+    engine = Engine(execute, cap.num_blocks, cap.block_size, cap.max_context, fingerprint=runner.config.fingerprint,
+                    max_num_batched_tokens=48, num_decode_steps=4)
+    seqs, _ = run_with_arrivals(engine, requests)
+    assert [s.output for s in seqs] == solo
+    assert calls.count(4) >= 3 and 1 in calls and max(calls) == 4
+    assert_no_block_held(engine)
+
+
+def test_several_decode_steps_stop_where_one_step_stops_and_sample_alike(runner):
+    """A stop token met inside a 4-step call ends the output there (the tokens after it are
+    dropped, its blocks freed); seeded sampling with penalties and logprobs (the worker's
+    step-by-step path) gives the same tokens and logprobs as one step a call; a prompt that
+    continues the stopped sequence reuses its committed blocks and still gets its solo tokens."""
+    prompt = sixteen_requests()[0][0]
+    free_run = alone(runner, prompt, 12)
+    stop_at = next(i for i in range(5, 12) if free_run[i] not in free_run[:i])  # first occurrence: it stops there
+    params = [SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(free_run[stop_at],)),
+              SamplingParams(max_tokens=11, temperature=0.9, top_p=0.9, seed=3, logprobs=3, ignore_eos=True,
+                             frequency_penalty=0.5)]
+    outputs = {}
+    for steps in (1, 4):
+        engine = make_engine(runner, num_decode_steps=steps)
+        seqs = [Sequence(list(prompt), p) for p in params]
+        for s in seqs:
+            engine.add(s)
+        while engine.has_work():
+            engine.step()
+        outputs[steps] = [(s.output, [None if np.isnan(x) else x for x in s.logprobs], s.finish_reason)
+                          for s in seqs]            # greedy rows without logprobs carry NaN
+        assert_no_block_held(engine)
+    assert outputs[4] == outputs[1]
+    assert outputs[4][0] == (free_run[:stop_at + 1], outputs[4][0][1], "stop")
+    assert len(outputs[4][1][0]) == 11 and all(x is not None and x < 0 for x in outputs[4][1][1])
+
+    engine = make_engine(runner, num_decode_steps=4)
+    first = Sequence(list(prompt), greedy(40))
+    engine.add(first)
+    while engine.has_work():
+        engine.step()
+    follow = Sequence(list(prompt) + first.output[:33], greedy(8))
+    engine.add(follow)
+    while engine.has_work():
+        engine.step()
+    assert follow.num_cached_tokens >= (len(follow.prompt) - 1) // 16 * 16 >= 32   # blocks filled 4 tokens a call
+    assert follow.output == alone(runner, follow.prompt, 8)
+
+
+def test_a_replayed_call_that_ends_early_is_finished_step_by_step(runner, monkeypatch):
+    """When the one-call path of a 4-step request stops after 2 steps (what a row with NaN logits
+    does: -1 from that step on), the worker computes the other steps one at a time: same tokens."""
+    prompt = sixteen_requests()[1][0]
+    solo = alone(runner, prompt, 13)
+    ended_early = []
+    whole = runner.ops.run_greedy_steps
+
+    def two_then_stop(model, inp, steps):
+        tokens = whole(model, inp, min(steps, 2))
+        if tokens is None or steps <= 2:
+            return tokens
+        ended_early.append(steps)
+        return np.vstack([tokens, np.full((steps - 2, tokens.shape[1]), -1, np.int64)])
+
+    monkeypatch.setattr(runner.ops, "run_greedy_steps", two_then_stop)
+    engine = make_engine(runner, num_decode_steps=4)
+    seq = Sequence(list(prompt), greedy(13))
+    engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    assert ended_early == [4, 4, 4] and seq.output == solo
+    assert_no_block_held(engine)

@@ -158,6 +158,23 @@ def test_step_result_round_trip_inline():
     assert back.results[1].token_id == 0 and back.results[2].token_id == -1
 
 
+def test_a_multi_step_request_and_its_later_results_round_trip():
+    req = _request()
+    req.num_steps = 8
+    back = step_request_from_proto(_wire(step_request_to_proto(req)))
+    assert back.num_steps == 8
+    _assert_requests_equal(req, back)
+    assert step_request_from_proto(worker_pb2.StepRequest()).num_steps == 1     # unset: one step
+    res = _result()
+    res.later = [[SeqResult(seq_id=3, token_id=7 + i, logprob=-0.5 * i), SeqResult(seq_id=2**40, token_id=i)]
+                 for i in range(3)]
+    back = step_result_from_proto(_wire(step_result_to_proto(res)))
+    _assert_results_equal(res, back)
+    assert [[(r.seq_id, r.token_id, r.logprob) for r in step] for step in back.later] == \
+        [[(3, 7 + i, -0.5 * i), (2**40, i, 0.0)] for i in range(3)]
+    assert step_result_from_proto(_wire(step_result_to_proto(_result()))).later == []
+
+
 def test_step_round_trip_through_shared_memory():
     """Large arrays travel as TensorRefs in the sender's arena, small ones inline, in the same message."""
     with ShmArena(initial_bytes=4096) as arena:

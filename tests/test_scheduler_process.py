@@ -363,3 +363,41 @@ def test_engine_preemption_with_a_fake_worker():
     out, preemptions = run(16, prompts)
     assert preemptions > 0
     assert out == alone
+
+
+def test_several_decode_steps_a_worker_call_over_grpc(tmp_path):
+    """A scheduler with --num-decode-steps 4 against its own worker: greedy streams continue as
+    llama.cpp does, events carry up to 4 tokens, a stop token inside a call ends the stream there,
+    and concurrent requests get the tokens they get alone."""
+    worker, worker_addr = start_worker(tmp_path, "worker")
+    sched, addr = start_scheduler(tmp_path, "scheduler", "--worker", worker_addr, "--num-decode-steps", "4")
+    channel = grpc.insecure_channel(addr)
+    try:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 30)
+        tokens, last, events = collect(stub, submit_request(CASE["prompt_tokens"], 12, ignore_eos=True))
+        n = greedy_prefix_to_check(CASE)
+        assert tokens[:n] == CASE["greedy_continuation"][:n] and len(tokens) == 12
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 12
+        assert max(len(ev.tokens) for ev in events) == 4
+
+        stop_token = next(t for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+        stopped, last, _ = collect(stub, submit_request(CASE["prompt_tokens"], 12, stop_token_ids=[stop_token]))
+        assert stopped == tokens[:tokens.index(stop_token) + 1]
+        assert last.finish_reason == common_pb2.FINISH_REASON_STOP
+
+        prompts = [CASE["prompt_tokens"], [1, 2, 3, 4, 5, 6, 7], list(range(100, 140))]
+        solo = [collect(stub, submit_request(p, 9, ignore_eos=True))[0] for p in prompts]
+        results: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, collect(stub, submit_request(prompts[i], 9, request_id=f"k4-{i}", ignore_eos=True))[0]))
+            for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(200)
+        assert [results.get(i) for i in range(3)] == solo
+    finally:
+        channel.close()
+        stop(sched)
+        stop(worker)

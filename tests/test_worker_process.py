@@ -294,3 +294,31 @@ def test_kill9_leaves_nothing_after_restart_and_sigterm_exits_clean(tmp_path):
         rc = stop(proc2)
     assert rc == 0
     assert _segments_of(proc2.pid) == []
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=16), GREEDY],
+                         ids=["greedy", "greedy-with-logprobs"])
+def test_a_request_of_several_steps_decodes_as_llama_cpp(worker, fixture_case, params):
+    """A prefill, then one StepRequest of num_steps=4 from the placeholder token: the response holds
+    the four tokens llama.cpp continues with, step by step (greedy without logprobs: in one replayed
+    call; with logprobs: the worker's step-by-step path, logprobs included). A prompt chunk in a
+    request of several steps is refused, naming the rule, and the worker stays up."""
+    _, _, stub = worker
+    prompt, expected = fixture_case["prompt_tokens"], fixture_case["greedy_continuation"][:5]
+    seq, n = 131, len(fixture_case["prompt_tokens"])
+    blocks = list(range(6, 6 + -(-(n + 4) // 16)))
+    first = step_result_from_proto(stub.Step(step_request_to_proto(
+        StepRequest([chunk(seq, prompt, 0, blocks, n, params=params)])), timeout=180))
+    resp = step_result_from_proto(stub.Step(step_request_to_proto(
+        StepRequest([chunk(seq, [-1], n, blocks, n, params=None)], num_steps=4)), timeout=180))
+    steps = [resp.results] + resp.later
+    assert [first.results[0].token_id] + [s[0].token_id for s in steps] == expected
+    assert resp.tokens_computed == 4
+    if params.logprobs:
+        assert all(s[0].logprob < 0 and len(s[0].top_ids) == 2 for s in steps)
+    stub.Step(worker_pb2.StepRequest(finished=[seq]), timeout=10)
+
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Step(step_request_to_proto(StepRequest([chunk(132, [1, 2, 3], 0, [0], 3)], num_steps=2)), timeout=180)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one decode token" in info.value.details()
+    assert stub.Health(common_pb2.HealthRequest(), timeout=10).status == common_pb2.SERVING_STATUS_SERVING

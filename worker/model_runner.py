@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +75,11 @@ class ModelRunner:
                     raise ValueError(f"sequence {c.seq_id}: placeholder token -1 but this worker has sampled "
                                      "no token for it")
                 c.token_ids = np.array([state.last_sampled], np.int64)
+        if request.num_steps > 1:
+            return self._execute_steps(chunks, request.num_steps)
+        return self._execute_chunks(chunks)
+
+    def _execute_chunks(self, chunks: list[SeqChunk]) -> StepResult:
         inp, score_rows = self._pack(chunks)
         self.ops.begin_pass(len(inp.token_ids), inp.attention.decode_pass)
         results = [SeqResult(c.seq_id) for c in chunks]
@@ -106,6 +111,43 @@ class ModelRunner:
             self._sample([chunks[i] for i in sample_idx], logits, [results[i] for i in sample_idx])
         self.tokens_computed += len(inp.token_ids)
         return StepResult(results, len(inp.token_ids))
+
+    def _execute_steps(self, chunks: list[SeqChunk], steps: int) -> StepResult:
+        """`steps` decode steps in a row, each chunk's input the token sampled for it in the step
+        before: greedy rows without penalties or logprobs in one replayed call where the backend
+        can, otherwise (and from a step whose logits were not finite on) one step at a time."""
+        for c in chunks:
+            if len(c.token_ids) != 1 or not c.sample or c.score_top_k:
+                raise ValueError(f"sequence {c.seq_id}: a request of {steps} steps takes one decode token a "
+                                 "chunk that samples (no prompt chunks, no scoring)")
+        per_step: list[list[SeqResult]] = []
+        computed = 0
+        run_steps = getattr(self.ops, "run_greedy_steps", None)
+        if run_steps is not None and self.config.causal and all(
+                c.params is not None and c.params.greedy and c.params.logprobs is None and not c.params.has_penalties
+                for c in chunks):
+            inp, _ = self._pack(chunks)
+            self.ops.begin_pass(len(chunks), True)
+            tokens = run_steps(self.model, inp, steps)
+            if tokens is not None:
+                done = int(np.argmax((tokens < 0).any(axis=1))) if (tokens < 0).any() else steps
+                for row in tokens[:done].tolist():
+                    per_step.append([SeqResult(c.seq_id, token_id=t, logprob=float("nan")) for c, t in zip(chunks, row)])
+                for c, state_tokens in zip(chunks, tokens[:done].T.tolist()):
+                    state = self._seqs[c.seq_id]
+                    state.tokens.extend(state_tokens[:-1])      # each step's input; the last one's is next
+                    if state_tokens:
+                        state.last_sampled = state_tokens[-1]
+                computed = done * len(chunks)
+                self.tokens_computed += computed
+        while len(per_step) < steps:
+            step = chunks if not per_step else [
+                replace(c, token_ids=np.array([r.token_id], np.int64), start_pos=c.start_pos + len(per_step),
+                        prefix_ids=None) for c, r in zip(chunks, per_step[-1])]
+            result = self._execute_chunks(step)
+            per_step.append(result.results)
+            computed += result.tokens_computed
+        return StepResult(per_step[0], computed, later=per_step[1:])
 
     def forward_logits(self, chunks: list[SeqChunk]) -> np.ndarray:
         """Raw logits of the rows a step would read (each chunk's last token, or all of its tokens

@@ -148,6 +148,22 @@ class CPUBackend:
         self.begin_pass(hidden.shape[0], inp.attention.decode_pass)   # the logits product: by its own rows
         return model.logits(hidden), None
 
+    def run_greedy_steps(self, model, inp, steps: int) -> np.ndarray | None:
+        """`steps` greedy decode passes in one replayed call, each taking the tokens of the one
+        before one position on (inp's arrays advance in place): int64 [steps, rows], -1 from a row's
+        NaN or infinite logits on; None where the pass is not replayed (nothing was computed, or
+        what was is written again by the caller's passes)."""
+        replay = self._replay_for(model, inp, logits=True)
+        if replay is None or not replay.runs_steps:
+            return None
+        out = replay.run(inp, self, steps)
+        if out is None:
+            log.warning("numba's threads did not run the replayed decode pass together (threading layer %s): "
+                        "replays are off from now on", graph_replay.threading_layer())
+            self.graph_replay = False
+            return None
+        return out[1]
+
     def _replayed(self, model, inp, logits: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
         replay = self._replay_for(model, inp, logits)
         if replay is None:

@@ -106,8 +106,9 @@ if available():
         return own[start:start + rows * values[v, 2]]
 
     @njit(inline="always")
-    def _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, mats,
+    def _matmul(i, claims, ops, values, rows, th, n_threads, sync, shared, own, mats,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s):  # pragma: no cover - compiled
+        """Operation i; `claims`: its row of tile counters in sync (i, or i + step * ops in a multi-step call)."""
         w = ops[i, 5]
         bias, group, n_tiles, k_in = mats[w, BIAS], mats[w, GROUP], mats[w, N_TILES], mats[w, IN_FEATURES]
         groups = k_in // group
@@ -132,11 +133,11 @@ if available():
         w_codes, w_scale, w_offset = _u8(mats, w, CODES), _f32(mats, w, SCALE_AT), _f32(mats, w, OFFSET_AT)
         # Each thread owns a contiguous share of the tiles and takes it from the front, CLAIM tiles
         # at a time; a thread done with its own takes what is left of the others' from their back.
-        # sync[SYNC_CLAIMS + i * n_threads + share] counts the tiles of a share taken from either end.
+        # sync[SYNC_CLAIMS + claims * n_threads + share] counts the tiles of a share taken from either end.
         for k in range(n_threads):
             share = (th + k) % n_threads
             lo, hi = n_tiles * share // n_threads, n_tiles * (share + 1) // n_threads
-            counter = SYNC_CLAIMS + i * n_threads + share
+            counter = SYNC_CLAIMS + claims * n_threads + share
             taken_here = 0
             claim = 2 * CLAIM if rows == 1 else CLAIM
             while True:
@@ -249,8 +250,13 @@ if available():
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes,
                 positions, token_ids, embedding, f16, output, result, wait_prefetch, greedy, best,
-                stamps):  # pragma: no cover
+                stamps, steps):  # pragma: no cover
+        """One decode pass, or with steps (int64 [n, rows], n > 1) n passes in a row: after each, the
+        rows' greedy tokens are written to steps[s] and become the next pass's input one position on
+        (its K/V slot from the block tables); a NaN or infinite logit (-1) ends the passes there."""
         timed = stamps.shape[0] > 0     # stamps[th, 1 + i]: (op i starts, its meeting starts); see Replay.cycle_log
+        n_steps = max(1, steps.shape[0])
+        block_size = _f32_4d(caches, 0).shape[2] if caches.shape[0] > 0 and n_steps > 1 else 1
         for th in prange(n_threads):
             if timed:
                 stamps[th, 0, 0] = _cycles()
@@ -258,70 +264,73 @@ if available():
             bits = bits_s[th]
             scratch = x_s[th]
             met = 0
-            # the input rows from the Q8_0 table, decoded by every thread (the same values); an id
-            # out of range is seen by all threads before any meeting, and all leave
-            bad = False
-            if embedding.shape[0] > 0:
-                n_rows = embedding.shape[0] // (values[0, 4] // 32 * 34)
-                for r in range(rows):
-                    bad = bad or token_ids[r] < 0 or token_ids[r] >= n_rows
-                if bad:
-                    sync[3] = 1
-                else:
+            for s in range(n_steps):
+                # the input rows from the Q8_0 table, decoded by every thread (the same values); an id
+                # out of range is seen by all threads before any meeting, and all leave
+                bad = False
+                if embedding.shape[0] > 0:
+                    n_rows = embedding.shape[0] // (values[0, 4] // 32 * 34)
                     for r in range(rows):
-                        _embedding_row(embedding, token_ids[r], _row(values, 0, r, shared, own), f16)
-            for i in range(0 if bad else ops.shape[0]):
-                code, dst, a, b = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
+                        bad = bad or token_ids[r] < 0 or token_ids[r] >= n_rows
+                    if bad:
+                        sync[3] = 1
+                    else:
+                        for r in range(rows):
+                            _embedding_row(embedding, token_ids[r], _row(values, 0, r, shared, own), f16)
+                for i in range(0 if bad else ops.shape[0]):
+                    code, dst, a, b = ops[i, 0], ops[i, 1], ops[i, 2], ops[i, 3]
+                    if timed:
+                        stamps[th, i + 1, 0] = stamps[th, i + 1, 1] = _cycles()
+                    if code == MATMUL:
+                        _matmul(i, i + s * ops.shape[0], ops, values, rows, th, n_threads, sync, shared, own, mats,
+                                x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s)
+                        if prefetch_bytes > 0 and next_matrix[i] >= 0:
+                            _prefetch_start(next_matrix[i], th, n_threads, mats, prefetch_bytes)
+                        met += 1
+                        if timed:
+                            stamps[th, i + 1, 1] = _cycles()
+                        if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, mats, prefetch_bytes,
+                                           wait_prefetch):
+                            break
+                    elif code == ATTENTION:
+                        _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
+                                   slots, scratch)
+                        met += 1
+                        if timed:
+                            stamps[th, i + 1, 1] = _cycles()
+                        if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, mats, 0, wait_prefetch):
+                            break
+                    elif code == ROPE:
+                        _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin, positions)
+                    elif code == RMS_NORM:
+                        weight, d = _f32_2d(norms, ops[i, 5]), ops[i, 6]
+                        for r in range(rows):
+                            src, out = _row(values, a, r, shared, own), _row(values, dst, r, shared, own)
+                            for h in range(src.shape[0] // d):
+                                _rms_norm_row(src[h * d:(h + 1) * d], weight[h % weight.shape[0]], params[i, 0],
+                                              out[h * d:(h + 1) * d])
+                    else:
+                        for r in range(rows):
+                            src, out = _row(values, a, r, shared, own), _row(values, dst, r, shared, own)
+                            if code == SCALE:
+                                factor = np.float32(params[i, 0])
+                                for j in range(out.shape[0]):
+                                    out[j] = src[j] * factor
+                            elif code == ADD:
+                                other = _row(values, b, r, shared, own)
+                                for j in range(out.shape[0]):
+                                    out[j] = src[j] + other[j]
+                            elif code == SWIGLU:
+                                _swiglu_row(src, _row(values, b, r, shared, own), out, bits)
+                            elif code == GELU_TANH_GATE:
+                                _gelu_row(src, _row(values, b, r, shared, own), out, bits)
                 if timed:
-                    stamps[th, i + 1, 0] = stamps[th, i + 1, 1] = _cycles()
-                if code == MATMUL:
-                    _matmul(i, ops, values, rows, th, n_threads, sync, shared, own, mats,
-                            x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s)
-                    if prefetch_bytes > 0 and next_matrix[i] >= 0:
-                        _prefetch_start(next_matrix[i], th, n_threads, mats, prefetch_bytes)
-                    met += 1
-                    if timed:
-                        stamps[th, i + 1, 1] = _cycles()
-                    if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, mats, prefetch_bytes,
-                                       wait_prefetch):
-                        break
-                elif code == ATTENTION:
-                    _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                               slots, scratch)
-                    met += 1
-                    if timed:
-                        stamps[th, i + 1, 1] = _cycles()
-                    if not _meet_ahead(sync, n_threads, met, next_matrix[i], th, mats, 0, wait_prefetch):
-                        break
-                elif code == ROPE:
-                    _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin, positions)
-                elif code == RMS_NORM:
-                    weight, d = _f32_2d(norms, ops[i, 5]), ops[i, 6]
-                    for r in range(rows):
-                        src, out = _row(values, a, r, shared, own), _row(values, dst, r, shared, own)
-                        for h in range(src.shape[0] // d):
-                            _rms_norm_row(src[h * d:(h + 1) * d], weight[h % weight.shape[0]], params[i, 0],
-                                          out[h * d:(h + 1) * d])
-                else:
-                    for r in range(rows):
-                        src, out = _row(values, a, r, shared, own), _row(values, dst, r, shared, own)
-                        if code == SCALE:
-                            factor = np.float32(params[i, 0])
-                            for j in range(out.shape[0]):
-                                out[j] = src[j] * factor
-                        elif code == ADD:
-                            other = _row(values, b, r, shared, own)
-                            for j in range(out.shape[0]):
-                                out[j] = src[j] + other[j]
-                        elif code == SWIGLU:
-                            _swiglu_row(src, _row(values, b, r, shared, own), out, bits)
-                        elif code == GELU_TANH_GATE:
-                            _gelu_row(src, _row(values, b, r, shared, own), out, bits)
-            if timed:
-                stamps[th, ops.shape[0] + 1, 0] = stamps[th, ops.shape[0] + 1, 1] = _cycles()
-            if not bad and sync[1] == 0:
+                    stamps[th, ops.shape[0] + 1, 0] = stamps[th, ops.shape[0] + 1, 1] = _cycles()
+                if bad or sync[1] != 0:
+                    break
                 _output(values, output, rows, th, n_threads, shared, own, result, best)
-                if greedy.shape[0] > 0 and _meet(sync, n_threads, met + 1, sync, 0, 0) and th == 0:
+                met += 1
+                if greedy.shape[0] > 0 and _meet(sync, n_threads, met, sync, 0, 0) and th == 0:
                     for r in range(rows):       # the row's first maximum (a lower share wins a tie)
                         pick, special = 0, best[0, r, 2]
                         for t in range(1, n_threads):
@@ -329,8 +338,24 @@ if available():
                             if best[t, r, 0] > best[pick, r, 0]:
                                 pick = t
                         greedy[r] = -1 if special else int(best[pick, r, 1])
-            if timed:
-                stamps[th, ops.shape[0] + 2, 0] = stamps[th, ops.shape[0] + 2, 1] = _cycles()
+                    if n_steps > 1:             # the next pass's input: this one's tokens, one position on
+                        for r in range(rows):
+                            steps[s, r] = greedy[r]
+                            token_ids[r] = greedy[r]
+                            positions[r] += 1
+                            ctx[r] += 1
+                            slots[r] = tables[r, positions[r] // block_size] * block_size + positions[r] % block_size
+                if timed:
+                    stamps[th, ops.shape[0] + 2, 0] = stamps[th, ops.shape[0] + 2, 1] = _cycles()
+                if s + 1 < n_steps:
+                    met += 1
+                    if not _meet(sync, n_threads, met, sync, 0, 0):
+                        break
+                    stop = False
+                    for r in range(rows):
+                        stop = stop or steps[s, r] < 0
+                    if stop:
+                        break
 
 
 class Replay:
@@ -368,6 +393,7 @@ class Replay:
         self.best = np.zeros((n, rows, 3), np.float64)      # each thread's (largest, where, NaN/inf) per row
         self.no_greedy = np.zeros(0, np.int64)
         self.no_stamps = np.zeros((0, 0, 2), np.int64)
+        self.no_steps = np.zeros((0, 0), np.int64)
         # set to a list to profile: each run appends its cycle stamps (int64 [threads, ops + 3, 2]:
         # [th, 0] the region entered, [th, 1 + i] = (op i starts, its meeting starts: the op's end
         # for a product or attention, else its start), [th, ops + 1] the result's copy starts,
@@ -376,13 +402,29 @@ class Replay:
         self.rope_cos = self.rope_sin = np.zeros((1, 1, 1), np.float32)
         self._rope_of: list[np.ndarray] = []
 
-    def run(self, inp, backend) -> tuple[np.ndarray, np.ndarray | None] | None:
+    @property
+    def runs_steps(self) -> bool:
+        """Whether run(steps > 1) is possible: a logits program that decodes its input rows itself."""
+        return self.program.logits and self.embedding.shape[0] > 0
+
+    def run(self, inp, backend, steps: int = 1) -> tuple[np.ndarray, np.ndarray | None] | None:
         """The forward's result for `inp` and, for a program whose output is the logits, each row's
         first largest logit (-1 for a row with a NaN or infinite logit; else None); or None when the
         threads could not meet (the caller then runs the ordinary kernels, which write the same K/V
-        again)."""
+        again). With steps > 1 (runs_steps): `steps` greedy passes in one call, each taking the
+        tokens of the one before, one position on (inp's arrays are advanced in place; block tables
+        must cover every position); the second value is then int64 [steps, rows], each step's
+        tokens, -1 from a row's NaN or infinite logits on (for every row after that step)."""
         p = self.program
         rows = p.rows
+        step_tokens = self.no_steps
+        if steps > 1:
+            if not self.runs_steps:
+                raise ValueError("this replayed program cannot run several steps in one call")
+            need = SYNC_CLAIMS + steps * len(p.ops) * self.n_threads
+            if self.sync.shape[0] < need:
+                self.sync = np.zeros(need, np.int64)
+            step_tokens = np.full((steps, rows), -1, np.int64)
         if self.embedding.shape[0] == 0:            # not Q8_0: the backend decodes the input rows
             start, width = int(p.values[0, 1]), int(p.values[0, 4])
             self.shared[start:start + rows * width] = backend.embedding(p.embedding, inp.token_ids).reshape(-1)
@@ -405,7 +447,7 @@ class Replay:
                 self.mats, self.norms, self.caches,
                 self.rope_cos, self.rope_sin, tables, ctx, meta.slot_mapping, *self.scratch,
                 self.next_matrix, self.prefetch_bytes, inp.positions, inp.token_ids, self.embedding, get_rows.F16,
-                p.output, result, self.wait_prefetch, greedy, self.best, stamps)
+                p.output, result, self.wait_prefetch, greedy, self.best, stamps, step_tokens)
         if self.sync[3]:
             backend.embedding(p.embedding, inp.token_ids)           # raises the IndexError that names the id
             raise IndexError(f"a token id of {inp.token_ids.tolist()} is out of the embedding's range")
@@ -413,6 +455,8 @@ class Replay:
             return None
         if self.result_shape != p.output_shape:
             result = result.reshape(p.output_shape)
+        if steps > 1:
+            return result, step_tokens
         return result, (greedy if p.logits else None)
 
     def _rope_for(self, backend, max_pos: int) -> None:
@@ -453,4 +497,4 @@ def warm_up() -> None:
             *tables, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0,
             np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.uint8), get_rows.F16, 1,
             np.zeros((1, 16), np.float32), 0, np.zeros(0, np.int64), np.zeros((n, 1, 3), np.float64),
-            np.zeros((0, 0, 2), np.int64))
+            np.zeros((0, 0, 2), np.int64), np.zeros((0, 0), np.int64))

@@ -60,16 +60,18 @@ class SeqChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_targets: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("chunks", "finished", "step_id", "copy_blocks")
+    __slots__ = ("chunks", "finished", "step_id", "copy_blocks", "num_steps")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     COPY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[SeqChunk]
     finished: _containers.RepeatedScalarFieldContainer[int]
     step_id: int
     copy_blocks: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., step_id: _Optional[int] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., step_id: _Optional[int] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
@@ -100,14 +102,22 @@ class SeqResult(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_target_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "tokens_computed", "step_id")
+    __slots__ = ("results", "tokens_computed", "step_id", "later")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    LATER_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SeqResult]
     tokens_computed: int
     step_id: int
-    def __init__(self, results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., tokens_computed: _Optional[int] = ..., step_id: _Optional[int] = ...) -> None: ...
+    later: _containers.RepeatedCompositeFieldContainer[StepResults]
+    def __init__(self, results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ..., tokens_computed: _Optional[int] = ..., step_id: _Optional[int] = ..., later: _Optional[_Iterable[_Union[StepResults, _Mapping]]] = ...) -> None: ...
+
+class StepResults(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SeqResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SeqResult, _Mapping]]] = ...) -> None: ...
 
 class BlockRange(_message.Message):
     __slots__ = ("block_ids",)
