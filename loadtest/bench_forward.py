@@ -284,7 +284,7 @@ def main() -> int:
               f"{r['peak_rss_mib']:>13.0f}")
         ratios = sorted(d["of_bound"] for d in r["decode_segments"])
         gbs = sorted(d["bandwidth_gbs"] for d in r["decode_segments"])
-        print(f"{'  segments':<14} {len(ratios)} of {SEGMENT} steps: of bound {ratios[0]:.2f}-{ratios[-1]:.2f} "
+        print(f"{'  segments':<14} {len(ratios)} of {SEGMENT} tokens: of bound {ratios[0]:.2f}-{ratios[-1]:.2f} "
               f"(median {np.median(ratios):.2f}), paired bandwidth {gbs[0]:.1f}-{gbs[-1]:.1f} GB/s; "
               f"by median steps {r['decode_of_bound_steady']:.2f}")
         if peer:
