@@ -123,6 +123,11 @@ class SamplingParams:
         return self.top_k > 0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else to compute (no penalties, no logprobs): the argmax is the answer."""
+        return self.temperature < GREEDY_EPSILON and self.logprobs is None and not self.has_penalties
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

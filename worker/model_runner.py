@@ -25,6 +25,7 @@ from worker.weights import WeightLoader
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_MEMORY = 512 * 2**20
+_NAN = float("nan")
 LOGITS_ROWS_PER_SLICE = 64   # bounds the [rows, vocab] logits buffer when scoring long prompts
 
 
@@ -124,8 +125,7 @@ class ModelRunner:
         computed = 0
         run_steps = getattr(self.ops, "run_greedy_steps", None)
         if run_steps is not None and self.config.causal and all(
-                c.params is not None and c.params.greedy and c.params.logprobs is None and not c.params.has_penalties
-                for c in chunks):
+                c.params is not None and c.params.plain_greedy for c in chunks):
             inp, _ = self._pack(chunks)
             self.ops.begin_pass(len(chunks), True)
             tokens = run_steps(self.model, inp, steps)
@@ -233,6 +233,14 @@ class ModelRunner:
                 greedy: np.ndarray | None = None) -> None:
         """`greedy`: each row's argmax, where the backend computed it with the logits (-1: not usable)."""
         states = [self._seqs[c.seq_id] for c in chunks]
+        if greedy is not None and all(s.params is not None and s.params.plain_greedy for s in states):
+            # the backend's argmax is the whole answer: no sampler call, little cold Python a decode step
+            tokens = greedy.tolist()
+            if min(tokens) >= 0:
+                for r, s, token in zip(results, states, tokens):
+                    r.token_id, r.logprob = token, _NAN
+                    s.last_sampled = token
+                return
         params = []
         for c, s in zip(chunks, states):
             if s.params is None:

@@ -276,7 +276,7 @@ class Sampler:
             if len(seq) != n:
                 raise ValueError(f"{name} has {len(seq)} entries for {n} logits rows")
 
-        if all(p.greedy and p.logprobs is None and not p.has_penalties for p in params):
+        if all(p.plain_greedy for p in params):
             if argmax is not None and len(argmax) == n and min(argmax.tolist()) >= 0:
                 return SampleOutput(token_ids=argmax, logprobs=_no_logprobs(n), top_ids=[None] * n,
                                     top_logprobs=[None] * n)
