@@ -19,9 +19,11 @@ loadtest/peer_llamacpp.py on the same GGUF files in the same run and prints the 
     python loadtest/bench_forward.py [--models smollm2-135m gemma3-270m] [--json] [--decode-steps K]
                                      [--peer-python /path/to/peer-venv/bin/python]
 
-With --decode-steps K the engine decodes K tokens a worker call where only decodes run
-(multi-step scheduling, `tensorserve serve --num-decode-steps`): the host's work per call
-(scheduling, packing, sampling, the compiled region's entry) is paid once per K tokens.
+Single-sequence decode is measured twice, sequences alternated: one step a worker call
+(the JSON's decode_*), and --decode-steps K (8) tokens a call (multistep_decode_*): the
+engine's multi-step scheduling, `tensorserve serve --num-decode-steps K`, which pays the
+host's work per call (scheduling, packing, sampling, the compiled region's entry) once per K
+tokens. The 32-sequence batch runs one step a call.
 """
 from __future__ import annotations
 
@@ -119,8 +121,7 @@ def bench_model(name: str, decode_steps: int = 1) -> dict:
     from shared.sampling_params import SamplingParams
     from tensorserve.local import LocalEngine
 
-    engine = LocalEngine(name, load_tokenizer=False, max_num_batched_tokens=PROMPT_TOKENS, max_num_seqs=BATCH,
-                         num_decode_steps=decode_steps)
+    engine = LocalEngine(name, load_tokenizer=False, max_num_batched_tokens=PROMPT_TOKENS, max_num_seqs=BATCH)
     vocab = engine.config.vocab_size
     rng = np.random.default_rng(0)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
@@ -150,11 +151,12 @@ def bench_model(name: str, decode_steps: int = 1) -> dict:
     # single-sequence decode: three sequences of 64 timed tokens, in segments of 16 tokens (16 steps,
     # or 16 / decode_steps calls of decode_steps tokens), each paired with the bandwidth probed just
     # before and after it (the higher of the two)
-    def paired_decode(probe: BandwidthProbe) -> tuple[float, list[tuple[float, float, float]]]:
+    def paired_decode(probe: BandwidthProbe, steps: int) -> tuple[float, list[tuple[float, float, float]]]:
         from scheduler.sequence import Sequence
+        engine.engine.num_decode_steps = steps
         n_segments = DECODE_TOKENS // SEGMENT
         seq = Sequence(rng.integers(1000, vocab - 1000, 16).tolist(),
-                       greedy(1 + n_segments * (SEGMENT + decode_steps)))
+                       greedy(1 + n_segments * (SEGMENT + steps)))
         engine.engine.add(seq)
         while not seq.output:                             # prefill (and first token) untimed
             engine.engine.step()
@@ -176,30 +178,42 @@ def bench_model(name: str, decode_steps: int = 1) -> dict:
             before = after
         while engine.engine.has_work():
             engine.engine.step()
+        engine.engine.num_decode_steps = 1
         return n_segments * SEGMENT / timed, segments
+
+    def decode_figures(runs: list[tuple[float, list[tuple[float, float, float]]]], prefix: str) -> dict:
+        segments = [seg for _, segs in runs for seg in segs]
+        bandwidth = float(np.median([bw for _, bw, _ in segments]))
+        return {
+            f"{prefix}decode_tok_s": float(np.median([rate for rate, _ in runs])),
+            f"{prefix}decode_bound_tok_s": bandwidth * 1e9 / read,
+            f"{prefix}decode_bound_fp32_tok_s": bandwidth * 1e9 / dense,
+            f"{prefix}decode_of_bound": float(np.median([rate * read / (bw * 1e9) for rate, bw, _ in segments])),
+            # informational, not the target's figure: each segment's median step instead of its mean
+            f"{prefix}decode_of_bound_steady": float(np.median([steady * read / (bw * 1e9)
+                                                                for _, bw, steady in segments])),
+            f"{prefix}decode_bandwidth_gbs": bandwidth,
+            f"{prefix}decode_segments": [{"tok_s": rate, "bandwidth_gbs": bw, "of_bound": rate * read / (bw * 1e9),
+                                          "steady_tok_s": steady} for rate, bw, steady in segments],
+        }
 
     decode_rate(1, 4)  # warm-up
     read, dense = weight_bytes_per_token(engine.runner.model)
     probe = BandwidthProbe()
+    runs: dict[int, list] = {1: [], decode_steps: []}
     try:
-        runs = [paired_decode(probe) for _ in range(DECODE_RUNS)]
+        for _ in range(DECODE_RUNS):       # one step a call and decode_steps a call, alternated
+            for steps in sorted(runs):
+                runs[steps].append(paired_decode(probe, steps))
     finally:
         probe.close()
-    segments = [seg for _, segs in runs for seg in segs]
-    bandwidth = float(np.median([bw for _, bw, _ in segments]))
-    batch = decode_rate(BATCH, BATCH_STEPS)
+    figures = decode_figures(runs[1], "")
+    if decode_steps > 1:
+        figures.update(decode_figures(runs[decode_steps], "multistep_"), multistep_decode_steps=decode_steps)
     return {
         "prefill_tok_s": PROMPT_TOKENS / min(prefill_s),
-        "decode_tok_s": float(np.median([rate for rate, _ in runs])),
-        "decode_bound_tok_s": bandwidth * 1e9 / read,
-        "decode_bound_fp32_tok_s": bandwidth * 1e9 / dense,
-        "decode_of_bound": float(np.median([rate * read / (bw * 1e9) for rate, bw, _ in segments])),
-        # informational, not the target's figure: each segment's median step instead of its mean
-        "decode_of_bound_steady": float(np.median([steady * read / (bw * 1e9) for _, bw, steady in segments])),
-        "decode_bandwidth_gbs": bandwidth,
-        "decode_segments": [{"tok_s": rate, "bandwidth_gbs": bw, "of_bound": rate * read / (bw * 1e9),
-                             "steady_tok_s": steady} for rate, bw, steady in segments],
-        "batch32_decode_tok_s": batch,
+        **figures,
+        "batch32_decode_tok_s": decode_rate(BATCH, BATCH_STEPS),
         "peak_rss_mib": peak_rss_mib(),
     }
 
@@ -229,9 +243,10 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--peer-python", default=os.environ.get("TS_PEER_PYTHON"),
                     help="python of a venv with llama-cpp-python, to run the peer side by side [env TS_PEER_PYTHON]")
-    ap.add_argument("--decode-steps", type=int, default=1,
-                    help="the engine's num_decode_steps: tokens a decode-only step computes in one worker "
-                         "call (multi-step scheduling; 16 must be a multiple) [default 1]")
+    ap.add_argument("--decode-steps", type=int, default=8,
+                    help="single-sequence decode is measured one step a worker call and, alternated with it, "
+                         "this many (the engine's num_decode_steps, multi-step scheduling; 1: only one; "
+                         "must divide 16) [default 8]")
     ap.add_argument("--one", help=argparse.SUPPRESS)   # internal: bench one model in this process
     ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth-probe", action="store_true", help=argparse.SUPPRESS)
@@ -272,8 +287,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, indent=None))
         return 0
-    print(f"memory bandwidth (1 x 16384 @ 16384 x 16384 float32) at the start: {bandwidth:.1f} GB/s; "
-          f"decode steps a worker call: {args.decode_steps}")
+    print(f"memory bandwidth (1 x 16384 @ 16384 x 16384 float32) at the start: {bandwidth:.1f} GB/s")
     head = f"{'model':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>6} {'bound tok/s':>12} " \
            f"{'of bound':>9} {'fp32 bound':>11} {'of fp32':>8} {'32-seq tok/s':>13} {'peak RSS MiB':>13}"
     print(head)
@@ -282,11 +296,14 @@ def main() -> int:
               f"{r['decode_bound_tok_s']:>12.1f} {r['decode_of_bound']:>9.2f} {r['decode_bound_fp32_tok_s']:>11.1f} "
               f"{r['decode_tok_s'] / r['decode_bound_fp32_tok_s']:>8.2f} {r['batch32_decode_tok_s']:>13.1f} "
               f"{r['peak_rss_mib']:>13.0f}")
-        ratios = sorted(d["of_bound"] for d in r["decode_segments"])
-        gbs = sorted(d["bandwidth_gbs"] for d in r["decode_segments"])
-        print(f"{'  segments':<14} {len(ratios)} of {SEGMENT} tokens: of bound {ratios[0]:.2f}-{ratios[-1]:.2f} "
-              f"(median {np.median(ratios):.2f}), paired bandwidth {gbs[0]:.1f}-{gbs[-1]:.1f} GB/s; "
-              f"by median steps {r['decode_of_bound_steady']:.2f}")
+        print_segments(r, "")
+        if "multistep_decode_tok_s" in r:
+            m = "multistep_"
+            print(f"{'  ' + str(r[m + 'decode_steps']) + ' a call':<14} {'':>14} {r[m + 'decode_tok_s']:>13.1f} "
+                  f"{r[m + 'decode_bandwidth_gbs']:>6.1f} {r[m + 'decode_bound_tok_s']:>12.1f} "
+                  f"{r[m + 'decode_of_bound']:>9.2f} {r[m + 'decode_bound_fp32_tok_s']:>11.1f} "
+                  f"{r[m + 'decode_tok_s'] / r[m + 'decode_bound_fp32_tok_s']:>8.2f}")
+            print_segments(r, m)
         if peer:
             print(f"{'  llama.cpp':<14} {peer['prefill_tok_s']:>14.1f} {peer['decode_tok_s']:>13.1f} {'':>12} {'':>9} "
                   f"{'':>6} {'':>11} {'':>8} "
@@ -294,7 +311,18 @@ def main() -> int:
             print(f"{'  ratio':<14} {r['prefill_tok_s'] / peer['prefill_tok_s']:>14.2f} "
                   f"{r['decode_tok_s'] / peer['decode_tok_s']:>13.2f} {'':>6} {'':>12} {'':>9} {'':>11} {'':>8} "
                   f"{r['batch32_decode_tok_s'] / peer.get('batch32_decode_tok_s', float('nan')):>13.2f}")
+            if "multistep_decode_tok_s" in r:
+                print(f"{'  ratio, ' + str(r['multistep_decode_steps']):<14} {'':>14} "
+                      f"{r['multistep_decode_tok_s'] / peer['decode_tok_s']:>13.2f}")
     return 0
+
+
+def print_segments(r: dict, prefix: str) -> None:
+    ratios = sorted(d["of_bound"] for d in r[prefix + "decode_segments"])
+    gbs = sorted(d["bandwidth_gbs"] for d in r[prefix + "decode_segments"])
+    print(f"{'  segments':<14} {len(ratios)} of {SEGMENT} tokens: of bound {ratios[0]:.2f}-{ratios[-1]:.2f} "
+          f"(median {np.median(ratios):.2f}), paired bandwidth {gbs[0]:.1f}-{gbs[-1]:.1f} GB/s; "
+          f"by median steps {r[prefix + 'decode_of_bound_steady']:.2f}")
 
 
 if __name__ == "__main__":
