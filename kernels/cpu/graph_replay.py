@@ -10,6 +10,10 @@ functions as the backend's kernels (the two-level input coding and VNNI tiles
 of int8_matmul, elementwise's rows, decode attention's task), so a replayed
 pass gives the numbers the ordinary kernels give.
 
+The operations themselves, compiled inline into the region, are in
+kernels/cpu/replay_ops.py (numba caches the region by this file alone: after editing
+that one, delete kernels/cpu/__pycache__'s .nbi/.nbc files).
+
 A buffer is written once per replay (programs are small: 1.2 MB a row for
 SmolLM2), so no thread can overwrite what the other still reads.
 
@@ -24,10 +28,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import (addresses, decode_attention, elementwise, get_rows, input_coding, int8_matmul, row_argmax,
-                         spin_barrier)
+from kernels.cpu import addresses, elementwise, get_rows, int8_matmul, spin_barrier
 from kernels.cpu.graph_capture import (ADD, ATTENTION, GELU_TANH_GATE, MATMUL, RMS_NORM, ROPE, SCALE, SHARED,
                                        SWIGLU, Program, Unsupported)
+# the tile claims' counters follow the barrier's words in a replay's sync array
+from kernels.cpu.replay_ops import SYNC_CLAIMS
 
 try:
     import numba
@@ -36,11 +41,6 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
 
-SYNC_CLAIMS = 4     # sync[:3] is the barrier's (spin_barrier.py), sync[3] a token id out of range; then
-                    # each product's tiles taken, per share
-CLAIM = 4           # tiles a thread takes at a time: 72-256 KiB of codes (twice that for one row,
-                    # whose claim is read as two streams of tiles at once: 1-2 % a SmolLM2 decode step on
-                    # a Xeon whose cores each stream ~10 GB/s, in-process A/B; claims of 8 another ~1 %)
 # A thread done with a product asks for the first 4 KiB of its share of the next one (and their
 # scales) before it waits at the barrier: in-process A/Bs on a Zen 4 EPYC, Gemma 3 decode steps
 # -3.6/-6.0/-5.0 %, SmolLM2 -5/-0.8 %; 8 KiB was as good for SmolLM2, 16 KiB worse.
@@ -49,10 +49,6 @@ NEXT_PRODUCT_PREFETCH = 4096
 # (spin_barrier.meet): in-process A/Bs on a Zen 5 EPYC, SmolLM2 replays -2.6/-1.6/
 # -0.9 %, Gemma 3 -0.0/-1.4/+0.3 % (128 KiB: SmolLM2 -2.0/-1.5, Gemma 3 -1.5/+0.8; 16-32 KiB less).
 WAIT_PREFETCH = 65536
-
-
-# columns of a replay's matrix table: each matrix's codes, scales and offsets (address, length) and layout
-CODES, SCALE_AT, OFFSET_AT, BIAS, GROUP, N_TILES, IN_FEATURES = 0, 2, 4, 6, 7, 8, 9
 
 
 def available() -> bool:
@@ -71,179 +67,18 @@ def _table(rows: list[tuple[int, ...]], width: int) -> np.ndarray:
 
 
 def _matrix_table(matrices: list) -> np.ndarray:
-    """int64 [matrices, 10]: the columns CODES.. above."""
+    """int64 [matrices, 10]: the columns CODES.. of replay_ops."""
     return _table([(_address(m.codes), m.codes.size, _address(m.scale), m.scale.size, _address(m.offset),
                     m.offset.size, m.bias, m.group, m.n_tiles, m.in_features) for m in matrices], 10)
 
 
 if available():
-    _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
-    _tile_pair = int8_matmul._tile_pair1
-    _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
-    _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
-    _store_half = decode_attention.store_half_row
-    _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
-    _cycles = spin_barrier.cycle_counter
+    _meet, _cycles, _embedding_row = spin_barrier.meet, spin_barrier.cycle_counter, get_rows.q8_0_row
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
-    _embedding_row = get_rows.q8_0_row
     _gelu_row = elementwise.gelu_tanh_gate_row
-    _u8, _f32, _f32_2d, _f32_4d = addresses.u8, addresses.f32, addresses.f32_2d, addresses.f32_4d
-    _copy_with_argmax = row_argmax.copy_with_argmax
-
-    @njit(inline="always")
-    def _row(values, v, r, shared, own):  # pragma: no cover - compiled
-        start = values[v, 1] + r * values[v, 2] + values[v, 3]
-        if values[v, 0] == SHARED:
-            return shared[start:start + values[v, 4]]
-        return own[start:start + values[v, 4]]
-
-    @njit(inline="always")
-    def _whole(values, v, rows, shared, own):  # pragma: no cover - compiled
-        """The buffer under value v, [rows * row stride]."""
-        start = values[v, 1]
-        if values[v, 0] == SHARED:
-            return shared[start:start + rows * values[v, 2]]
-        return own[start:start + rows * values[v, 2]]
-
-    @njit(inline="always")
-    def _matmul(i, claims, ops, values, rows, th, n_threads, sync, shared, own, mats,
-                x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s):  # pragma: no cover - compiled
-        """Operation i; `claims`: its row of tile counters in sync (i, or i + step * ops in a multi-step call)."""
-        w = ops[i, 5]
-        bias, group, n_tiles, k_in = mats[w, BIAS], mats[w, GROUP], mats[w, N_TILES], mats[w, IN_FEATURES]
-        groups = k_in // group
-        x = x_s[th, :rows * k_in].reshape((rows, k_in))
-        for r in range(rows):
-            src = _row(values, ops[i, 2], r, shared, own)
-            for j in range(k_in):
-                x[r, j] = src[j]
-        qx = qx_s[th, :2 * rows * k_in].reshape((2, rows, k_in))
-        dx = dx_s[th, :2 * rows * groups].reshape((2, rows, groups))
-        sx = sx_s[th, :rows * groups].reshape((rows, groups))
-        qsum = qsum_s[th, :2 * rows * groups].reshape((2, rows, groups))
-        qbias = qbias_s[th, :2 * rows * groups].reshape((2, rows, groups))
-        _quantize(x, group, qx, dx, sx, qsum)
-        for lv in range(2):
-            for r in range(rows):
-                for g in range(groups):
-                    qbias[lv, r, g] = qsum[lv, r, g] * np.int32(bias)
-        dst = ops[i, 1]
-        out = shared[values[dst, 1]:values[dst, 1] + rows * values[dst, 2]].reshape((rows, values[dst, 2]))
-        full = rows // _ROWS * _ROWS
-        w_codes, w_scale, w_offset = _u8(mats, w, CODES), _f32(mats, w, SCALE_AT), _f32(mats, w, OFFSET_AT)
-        # Each thread owns a contiguous share of the tiles and takes it from the front, CLAIM tiles
-        # at a time; a thread done with its own takes what is left of the others' from their back.
-        # sync[SYNC_CLAIMS + claims * n_threads + share] counts the tiles of a share taken from either end.
-        for k in range(n_threads):
-            share = (th + k) % n_threads
-            lo, hi = n_tiles * share // n_threads, n_tiles * (share + 1) // n_threads
-            counter = SYNC_CLAIMS + claims * n_threads + share
-            taken_here = 0
-            claim = 2 * CLAIM if rows == 1 else CLAIM
-            while True:
-                before = _atomic_add(sync, counter, claim)
-                if before >= hi - lo:
-                    break
-                count = min(claim, hi - lo - before)
-                first = lo + taken_here if k == 0 else hi - taken_here - count
-                taken_here += count
-                pairs = count // 2 if rows == 1 else 0     # one row: the claim read as two streams
-                for j in range(pairs):
-                    _tile_pair(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, first + j, first + pairs + j,
-                               0, group)
-                for t in range(first + 2 * pairs, first + count):
-                    for r0 in range(0, full, _ROWS):
-                        _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
-                    for r0 in range(full, rows):
-                        _tile_one(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
-
-    @njit(inline="always")
-    def _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                   slots, scratch):  # pragma: no cover - compiled
-        """Each thread takes a contiguous share of the (row, query head) pairs (split by KV heads,
-        one thread did all of Gemma 3's attention: it has one) and stores the K/V its heads need,
-        rounded to float16 as the backend's f16 cache holds them (a KV head split between the
-        threads is stored by both, each writing only the final values); the queries are rounded
-        to float16 too, as the rowwise kernels do."""
-        dst, q_v, k_v, v_v = ops[i, 1], ops[i, 2], ops[i, 3], ops[i, 4]
-        k_cache, v_cache = _f32_4d(caches, 2 * ops[i, 5]), _f32_4d(caches, 2 * ops[i, 5] + 1)
-        n_kv, block_size, dim = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
-        q = _whole(values, q_v, rows, shared, own).reshape((rows, values[q_v, 2] // dim, dim))
-        out = _whole(values, dst, rows, shared, own).reshape((rows, values[dst, 2] // dim, dim))
-        n_heads = out.shape[1]
-        group = n_heads // n_kv
-        task, end = rows * n_heads * th // n_threads, rows * n_heads * (th + 1) // n_threads
-        while task < end:
-            b, h = task // n_heads, task % n_heads
-            kv = h // group
-            run_end = min(end, b * n_heads + (kv + 1) * group)      # this KV head's heads in row b
-            block, offset = slots[b] // block_size, slots[b] % block_size
-            _store_half(_row(values, k_v, b, shared, own)[kv * dim:(kv + 1) * dim], k_cache[kv, block, offset],
-                        scratch[:dim])
-            _store_half(_row(values, v_v, b, shared, own)[kv * dim:(kv + 1) * dim], v_cache[kv, block, offset],
-                        scratch[:dim])
-            g0 = h - kv * group
-            g1 = g0 + run_end - task
-            for g in range(g0, g1):
-                _round_to_half(q[b, kv * group + g])
-            # by_four as the kernels take it: under fastmath the vectorizer sums a four-key pass in
-            # another order than single keys on AVX2 (bit-identical on AVX-512 only by its widths)
-            _attend(q, k_cache, v_cache, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out, b,
-                    kv, g0, g1, True)
-            task = run_end
-
-    @njit(inline="always")
-    def _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin, positions):  # pragma: no cover - compiled
-        base, n_dims, neox, head_dim = ops[i, 5], ops[i, 6], ops[i, 7], ops[i, 8]
-        half = n_dims // 2
-        for r in range(rows):
-            src, dst = _row(values, ops[i, 2], r, shared, own), _row(values, ops[i, 1], r, shared, own)
-            cos, sin = rope_cos[base, positions[r]], rope_sin[base, positions[r]]
-            for h in range(src.shape[0] // head_dim):
-                at = h * head_dim
-                for j in range(half):
-                    i0 = at + j if neox else at + 2 * j
-                    i1 = i0 + half if neox else i0 + 1
-                    x0, x1 = src[i0], src[i1]
-                    dst[i0] = x0 * cos[j] - x1 * sin[j]
-                    dst[i1] = x0 * sin[j] + x1 * cos[j]
-                for j in range(n_dims, head_dim):
-                    dst[at + j] = src[at + j]
-
-    @njit(inline="always")
-    def _prefetch_start(w, th, n_threads, mats, n_bytes):  # pragma: no cover - compiled
-        """Ask for the first n_bytes of this thread's share of matrix w's codes (and its scales)."""
-        n_tiles, k_in, group = mats[w, N_TILES], mats[w, IN_FEATURES], mats[w, GROUP]
-        lo = n_tiles * th // n_threads
-        w_codes, w_scale = _u8(mats, w, CODES), _f32(mats, w, SCALE_AT)
-        start = lo * k_in * _TILE
-        for at in range(start, min(start + n_bytes, w_codes.shape[0]), 64):
-            _prefetch(w_codes, at)
-        s0 = lo * (k_in // group) * _TILE
-        for at in range(s0, min(s0 + n_bytes // 8, w_scale.shape[0]), 16):
-            _prefetch(w_scale, at)
-
-    @njit(inline="always")
-    def _meet_ahead(sync, n_threads, met, w, th, mats, skip, n_bytes):  # pragma: no cover - compiled
-        """Meeting number met, prefetching this thread's share of matrix w's codes from `skip` to
-        `n_bytes` bytes into it while waiting (w < 0: a plain meeting)."""
-        if w < 0 or n_bytes <= skip:
-            return _meet(sync, n_threads, met, sync, 0, 0)
-        n_tiles, k_in = mats[w, N_TILES], mats[w, IN_FEATURES]
-        w_codes = _u8(mats, w, CODES)
-        start = n_tiles * th // n_threads * k_in * _TILE
-        end = min(start + n_bytes, n_tiles * (th + 1) // n_threads * k_in * _TILE)
-        return _meet(sync, n_threads, met, w_codes, start + skip, end)
-
-    @njit(inline="always")
-    def _output(values, output, rows, th, n_threads, shared, own, result, best):  # pragma: no cover - compiled
-        """This thread's share of the columns of the result rows, copied out; per row, best[th, r] =
-        (its largest value, the first column that holds it, 1 if a value is NaN or infinite)."""
-        width = values[output, 4]
-        lo, hi = width * th // n_threads, width * (th + 1) // n_threads
-        for r in range(rows):
-            top, at, special = _copy_with_argmax(_row(values, output, r, shared, own)[lo:hi], result[r, lo:hi])
-            best[th, r, 0], best[th, r, 1], best[th, r, 2] = top, lo + at, special
+    _f32_2d, _f32_4d = addresses.f32_2d, addresses.f32_4d
+    from kernels.cpu.replay_ops import (_attention, _matmul, _meet_ahead, _output, _prefetch_start, _rope,
+                                        _row)
 
     @njit(parallel=True, cache=True, nogil=True)
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, mats,
