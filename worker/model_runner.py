@@ -25,7 +25,6 @@ from worker.weights import WeightLoader
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_MEMORY = 512 * 2**20
-_NAN = float("nan")
 LOGITS_ROWS_PER_SLICE = 64   # bounds the [rows, vocab] logits buffer when scoring long prompts
 
 
@@ -130,7 +129,8 @@ class ModelRunner:
             self.ops.begin_pass(len(chunks), True)
             tokens = run_steps(self.model, inp, steps)
             if tokens is not None:
-                done = int(np.argmax((tokens < 0).any(axis=1))) if (tokens < 0).any() else steps
+                ended = (tokens < 0).any(axis=1)          # from a row's NaN logits on: step by step
+                done = int(np.argmax(ended)) if ended.any() else steps
                 for row in tokens[:done].tolist():
                     per_step.append([SeqResult(c.seq_id, token_id=t, logprob=float("nan")) for c, t in zip(chunks, row)])
                 for c, state_tokens in zip(chunks, tokens[:done].T.tolist()):
@@ -233,14 +233,6 @@ class ModelRunner:
                 greedy: np.ndarray | None = None) -> None:
         """`greedy`: each row's argmax, where the backend computed it with the logits (-1: not usable)."""
         states = [self._seqs[c.seq_id] for c in chunks]
-        if greedy is not None and all(s.params is not None and s.params.plain_greedy for s in states):
-            # the backend's argmax is the whole answer: no sampler call, little cold Python a decode step
-            tokens = greedy.tolist()
-            if min(tokens) >= 0:
-                for r, s, token in zip(results, states, tokens):
-                    r.token_id, r.logprob = token, _NAN
-                    s.last_sampled = token
-                return
         params = []
         for c, s in zip(chunks, states):
             if s.params is None:

@@ -265,6 +265,11 @@ class Sampler:
     ) -> SampleOutput:
         """`argmax`: each row's first largest logit where the backend computed it with the logits
         (-1 for a row with a NaN or infinite logit); greedy rows without penalties take it."""
+        n = len(params)
+        if argmax is not None and len(argmax) == n == len(logits) and all(p.plain_greedy for p in params) \
+                and min(argmax.tolist()) >= 0:      # first: a decode step's common case, little cold Python
+            return SampleOutput(token_ids=argmax, logprobs=_no_logprobs(n), top_ids=[None] * n,
+                                top_logprobs=[None] * n)
         logits = np.asarray(logits, dtype=np.float32)
         if logits.ndim == 1:
             logits = logits[None, :]
@@ -277,9 +282,6 @@ class Sampler:
                 raise ValueError(f"{name} has {len(seq)} entries for {n} logits rows")
 
         if all(p.plain_greedy for p in params):
-            if argmax is not None and len(argmax) == n and min(argmax.tolist()) >= 0:
-                return SampleOutput(token_ids=argmax, logprobs=_no_logprobs(n), top_ids=[None] * n,
-                                    top_logprobs=[None] * n)
             return _plain_greedy(logits)
         wanted = np.fromiter((p.logprobs is not None for p in params), dtype=bool, count=n)
         lse = np.full(n, np.nan)

@@ -153,22 +153,14 @@ class CPUBackend:
         before one position on (inp's arrays advance in place): int64 [steps, rows], -1 from a row's
         NaN or infinite logits on; None where the pass is not replayed (nothing was computed, or
         what was is written again by the caller's passes)."""
-        replay = self._replay_for(model, inp, logits=True)
-        if replay is None or not replay.runs_steps:
+        out = self._replayed(model, inp, True, steps)
+        return None if out is None else out[1]
+
+    def _replayed(self, model, inp, logits: bool, steps: int = 1) -> tuple[np.ndarray, np.ndarray | None] | None:
+        replay = self._replay_for(model, inp, logits)
+        if replay is None or (steps > 1 and not replay.runs_steps):
             return None
         out = replay.run(inp, self, steps)
-        if out is None:
-            log.warning("numba's threads did not run the replayed decode pass together (threading layer %s): "
-                        "replays are off from now on", graph_replay.threading_layer())
-            self.graph_replay = False
-            return None
-        return out[1]
-
-    def _replayed(self, model, inp, logits: bool) -> tuple[np.ndarray, np.ndarray | None] | None:
-        replay = self._replay_for(model, inp, logits)
-        if replay is None:
-            return None
-        out = replay.run(inp, self)
         if out is None:
             log.warning("numba's threads did not run the replayed decode pass together (threading layer %s): "
                         "replays are off from now on", graph_replay.threading_layer())
