@@ -389,9 +389,10 @@ def test_several_decode_steps_a_worker_call_over_grpc(tmp_path):
         prompts = [CASE["prompt_tokens"], [1, 2, 3, 4, 5, 6, 7], list(range(100, 140))]
         solo = [collect(stub, submit_request(p, 9, ignore_eos=True))[0] for p in prompts]
         results: dict[int, list[int]] = {}
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-            i, collect(stub, submit_request(prompts[i], 9, request_id=f"k4-{i}", ignore_eos=True))[0]))
-            for i in range(3)]
+
+        def client(i):
+            results[i] = collect(stub, submit_request(prompts[i], 9, request_id=f"k4-{i}", ignore_eos=True))[0]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
         for t in threads:
