@@ -50,8 +50,12 @@ def byte_codes(raw: np.ndarray, name: str, shape: tuple[int, int]):
 
 
 def stored_bias(codes: np.ndarray) -> int:
-    """VNNI multiplies unsigned codes (signed ones stored + 128); AVX2 keeps them signed."""
-    return 128 if codes.min() < 0 and int8_matmul.VNNI else 0
+    """VNNI multiplies unsigned codes (signed ones stored + 128); AVX2 stores codes spanning at most
+    129 values as code - min (unsigned), wider ones (Q8_0) signed."""
+    if int8_matmul.VNNI:
+        return 128 if codes.min() < 0 else 0
+    lo, hi = int(min(codes.min(), 0)), int(codes.max())
+    return -lo if hi - lo <= 129 else 0
 
 
 def coded_product(x: np.ndarray, codes, scale, offset, group) -> np.ndarray:
@@ -102,12 +106,39 @@ def test_largest_codes_times_largest_inputs_do_not_saturate(code):
     np.testing.assert_array_equal(int8_matmul.matmul(x, w), np.broadcast_to(expected, (2, shape[0])))
 
 
+@pytest.mark.parametrize("name, largest", [("Q4_1", 15), ("Q5_1", 31), ("Q6_K", 63)])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_runs_summed_in_16_bits_do_not_overflow(name, largest, sign):
+    """AVX2 adds the 16-bit pair sums of a run of steps (a whole group of 32 inputs for 4-bit codes)
+    before widening them: every code at its largest times inputs of +-127 in every group must still
+    give the exact product, as a sum the einsum of coded_product takes in 64 bits."""
+    rng = np.random.default_rng(largest)
+    shape = (64, 256)
+    raw = random_tensor(name, *shape, rng)
+    codes, scale, offset, group = byte_codes(raw, name, shape)
+    w = int8_matmul.from_parts([(raw, T[name], shape)])
+    assert w is not None
+    if not int8_matmul.VNNI:
+        assert w.run == {15: 8, 31: 4, 63: 2}[largest] and w.bias == stored_bias(codes)
+    # the same scales and offsets with every stored code at its largest
+    top = int(codes.max())
+    assert top - int(min(codes.min(), 0)) == largest
+    full = np.full_like(codes, top)
+    w_full = int8_matmul.Int8Matrix(np.full_like(w.codes, top + w.bias), w.scale, w.offset,
+                                    w.bias, w.out_features, w.in_features, w.group, w.run)
+    x = np.full((1, shape[1]), sign, np.float32)                  # q = +-127 in every group
+    expected = coded_product(x, full, scale, offset, group)
+    np.testing.assert_allclose(int8_matmul.matmul(x, w_full), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
 def test_parts_of_different_types_stack_on_the_finer_groups():
     """A fused Q|K|V of Q4_K, Q4_K and Q6_K (Gemma 3's mix): groups of 16 throughout, biased codes."""
     rng = np.random.default_rng(1)
     parts = [(random_tensor(n, 32, 256, rng), T[n], (32, 256)) for n in ("Q4_K", "Q4_K", "Q6_K")]
     w = int8_matmul.from_parts(parts)
-    assert w is not None and w.group == 16 and w.bias == stored_bias(np.int8([-1])) and w.out_features == 96
+    codes = np.concatenate([byte_codes(raw, T(t).name, shape)[0] for raw, t, shape in parts])
+    assert codes.min() < 0                                # Q6_K's codes are q - 32
+    assert w is not None and w.group == 16 and w.bias == stored_bias(codes) and w.out_features == 96
     x = rng.standard_normal((5, 256)).astype(np.float32)
     dense = np.concatenate([dequantize(raw, t, shape) for raw, t, shape in parts])
     exact = x.astype(np.float64) @ dense.astype(np.float64).T
@@ -133,11 +164,12 @@ def test_two_tiles_read_at_once_give_each_tile_as_alone(name):
     from numba import njit
 
     @njit
-    def both_ways(w_codes, qx, dx, sx, qbias, scale, offset, n_tiles, group, pairs, alone):
+    def both_ways(w_codes, qx, dx, sx, qbias, scale, offset, n_tiles, group, run, pairs, alone):
         for t in range(n_tiles):
-            int8_matmul._tile_rows1(w_codes, qx, dx, sx, qbias, scale, offset, alone, t, 0, group)
+            int8_matmul._tile_rows1(w_codes, qx, dx, sx, qbias, scale, offset, alone, t, 0, group, run)
         for t in range(n_tiles // 2):
-            int8_matmul._tile_pair1(w_codes, qx, dx, sx, qbias, scale, offset, pairs, t, n_tiles - 1 - t, 0, group)
+            int8_matmul._tile_pair1(w_codes, qx, dx, sx, qbias, scale, offset, pairs, t, n_tiles - 1 - t, 0, group,
+                                    run)
 
     rng = np.random.default_rng(11)
     shape = (160, 512)
@@ -146,7 +178,7 @@ def test_two_tiles_read_at_once_give_each_tile_as_alone(name):
     q, d, s, qsum = int8_matmul.quantize_rows(x, w.group)
     qbias = (qsum * np.int32(w.bias)).astype(np.int32)
     pairs, alone = (np.zeros((1, w.n_tiles * int8_matmul.TILE), np.float32) for _ in range(2))
-    both_ways(w.codes, q, d, s, qbias, w.scale, w.offset, w.n_tiles, w.group, pairs, alone)
+    both_ways(w.codes, q, d, s, qbias, w.scale, w.offset, w.n_tiles, w.group, w.run, pairs, alone)
     assert w.n_tiles == 5 and np.abs(alone).max() > 0
     np.testing.assert_array_equal(alone, int8_matmul.matmul(x, w))
     paired = np.r_[0:64, 96:160]                          # five tiles of 32: pairs (0, 4) and (1, 3)

@@ -67,9 +67,9 @@ def _table(rows: list[tuple[int, ...]], width: int) -> np.ndarray:
 
 
 def _matrix_table(matrices: list) -> np.ndarray:
-    """int64 [matrices, 10]: the columns CODES.. of replay_ops."""
+    """int64 [matrices, 11]: the columns CODES.. of replay_ops."""
     return _table([(_address(m.codes), m.codes.size, _address(m.scale), m.scale.size, _address(m.offset),
-                    m.offset.size, m.bias, m.group, m.n_tiles, m.in_features) for m in matrices], 10)
+                    m.offset.size, m.bias, m.group, m.n_tiles, m.in_features, m.run) for m in matrices], 11)
 
 
 if available():

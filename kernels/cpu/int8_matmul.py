@@ -12,9 +12,10 @@ way (kernels/cpu/input_coding.py). Per output n and group g
     out[n] += sum_l (scale[n, g] * d_l[g]) * sum_k(code[n, k] * q_l[k]) + offset[n, g] * s[g]
 
 with s[g] the float32 sum of the group's inputs, the integer sums taken by
-`vpdpbusd` (64 byte products an instruction) instead of float32 FMAs on weights
-four times the size. One level, as llama.cpp multiplies, was 12-37 % faster
-(prefill, 32-sequence decode) but left the input's 8-bit rounding in every
+`vpdpbusd` (64 byte products an instruction), or on AVX2 by `vpmaddubsw` (codes of
+4-6 bits stored unsigned and summed in 16 bits over several steps, see avx2_layout;
+kernels/cpu/byte_dots.py), instead of float32 FMAs on weights four times the size.
+One level, as llama.cpp multiplies, was 12-37 % faster (prefill, 32-sequence decode) but left the input's 8-bit rounding in every
 product: one ulp of an RMSNorm scale moved codes, and logits by more than 0.5,
 enough to flip the reference agreement test; with two levels a product is within ~5e-5 of the
 float32 one (relative to its largest output) and the same change moves nothing.
@@ -33,7 +34,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
-from kernels.cpu import input_coding, quantized
+from kernels.cpu import byte_dots, input_coding, quantized
 from shared.dequant import dequantize
 
 try:
@@ -49,11 +50,14 @@ TILE = 32           # outputs per tile: two 16-lane vectors
 LEVELS = 2         # 8-bit codings of each input: ggml's, then the same coding of what it leaves
 BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K))
 ROWS = 3            # input rows a micro-kernel call: 4 rows x 2 levels x 2 halves ran out of vector registers
-# The codes are prefetched into L2 this many 64-byte vectors (8 KiB) ahead of the loads: the
-# hardware prefetcher alone kept one-row products of every SmolLM2 matrix at ~22-24 GB/s on
-# 2 cores of a Xeon whose OpenBLAS sgemv streams ~29; with it they ran at 25-28 (2, 4 and 12
-# KiB ahead, or into L1, were no better; the scales' own prefetch added nothing).
-PREFETCH_VECTORS = 128
+# The codes are prefetched into L2 this many 64-byte vectors (16 KiB) ahead of the loads, both
+# lines of each step. On a Xeon the hardware prefetcher alone kept one-row products of every
+# SmolLM2 matrix at ~22-24 GB/s on 2 cores whose OpenBLAS sgemv streams ~29; 8 KiB ahead, every
+# other line, gave 25-28 (Intel's L2 fetches a line's pair itself). On a Zen 3 EPYC, whose L2
+# does not, one thread over a 210 MB matrix read 10.8 GB/s so (sgemv: 21); both lines, 16 KiB
+# ahead: 19-27 (2 threads 25-40, as the host's memory moved); 8, 24 or 32 KiB were no better,
+# nor was prefetching the scales and offsets as well.
+PREFETCH_VECTORS = 256
 # Passes of this many rows and more code their inputs in parallel; fewer (decode, the logits of a
 # few rows) on the calling thread, without a second parallel region a product.
 PARALLEL_CODING_ROWS = 8
@@ -81,10 +85,11 @@ class Int8Matrix:
     codes: np.ndarray      # uint8 [n_tiles, groups, group // 4, TILE, 4], flattened
     scale: np.ndarray      # float32 [n_tiles, groups, TILE], flattened
     offset: np.ndarray     # float32 [n_tiles, groups, TILE], flattened; empty when every offset is 0
-    bias: int              # 128 when the codes were signed (stored + 128), else 0
+    bias: int              # what was added to the codes to store them unsigned (VNNI: 128 if signed)
     out_features: int
     in_features: int
     group: int
+    run: int = 0           # AVX2: steps of 4 inputs summed in 16 bits before widening; 0: signed codes
 
     @property
     def n_tiles(self) -> int:
@@ -121,8 +126,12 @@ def from_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]], dense: np.n
     offset = np.concatenate([np.repeat(o, g // group, axis=1) for o, g in zip(offsets, groups)])
     lo = min(int(c.min(initial=0)) for c in codes)
     hi = max(int(c.max(initial=0)) for c in codes)
-    bias = 128 if lo < 0 and VNNI else 0           # AVX2: signed codes, stored as their bytes
-    if lo + bias < (0 if VNNI else -128) or hi + bias > (255 if VNNI else 127):
+    if VNNI:
+        (bias, run), stored = (128 if lo < 0 else 0, 0), (0, 255)
+    else:
+        bias, run = avx2_layout(lo, hi)
+        stored = (0, 129) if run else (-128, 127)      # signed codes: their bytes, for the sign trick
+    if lo + bias < stored[0] or hi + bias > stored[1]:
         return None
     n_out = scale.shape[0]
     n_tiles = -(-n_out // TILE)
@@ -135,7 +144,23 @@ def from_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]], dense: np.n
     tiled = padded.reshape(n_tiles, TILE, n_in // group, group // 4, 4).transpose(0, 2, 3, 1, 4)
     return Int8Matrix(np.ascontiguousarray(tiled).reshape(-1), _tile_groups(scale, n_tiles),
                       _tile_groups(offset, n_tiles) if np.any(offset) else np.zeros(0, np.float32),
-                      bias, n_out, n_in, group)
+                      bias, n_out, n_in, group, run)
+
+
+def avx2_layout(lo: int, hi: int) -> tuple[int, int]:
+    """(bias, run) for codes in [lo, hi] on AVX2. vpmaddubsw multiplies unsigned bytes by signed ones
+    and saturates each pair's sum at 16 bits: codes spanning at most 129 values are stored unsigned
+    (code - lo), so 2 * 129 * 127 < 2**15 and no sign trick is needed, and a run of steps whose pair
+    sums still fit in 16 bits is added with vpaddw before one vpmaddwd widens it (4-bit codes: 8
+    steps, a whole group of 32). Wider codes (Q8_0's 256 values) stay signed: run 0."""
+    bias = max(0, -lo)
+    largest = hi + bias
+    if largest > 129:
+        return 0, 0
+    run = 8
+    while run > 1 and run * 2 * largest * 127 > 2 ** 15 - 1:
+        run //= 2
+    return bias, run
 
 
 _CHUNK_ROWS = 8192
@@ -185,48 +210,6 @@ if available():
 
     _ptr, _splat = input_coding.data_pointer, input_coding.splat
 
-    _I8x32 = ir.VectorType(ir.IntType(8), 32)
-    _I16x16 = ir.VectorType(ir.IntType(16), 16)
-    _I32x8 = ir.VectorType(ir.IntType(32), 8)
-
-    def _dot_vnni(module):
-        """acc + per lane sum_k w[4 lane + k] * x[k] (w unsigned bytes, x signed): one vpdpbusd."""
-        dpbusd = cgutils.get_or_insert_function(
-            module, ir.FunctionType(_I32x16, [_I32x16] * 3), "llvm.x86.avx512.vpdpbusd.512")
-
-        def prepare(builder, w):
-            return w
-
-        def dot(builder, acc, w, x4):
-            return builder.call(dpbusd, [acc, w, _splat(builder, x4, _I32x16)])
-        return prepare, dot
-
-    def _dot_avx2(module):
-        """The same sum with w signed, on two 32-byte halves: vpmaddubsw(|w|, x * sign(w)) summed in
-        pairs by vpmaddwd (llama.cpp's mul_sum_i8_pairs)."""
-        psign = cgutils.get_or_insert_function(module, ir.FunctionType(_I8x32, [_I8x32] * 2), "llvm.x86.avx2.psign.b")
-        maddubs = cgutils.get_or_insert_function(
-            module, ir.FunctionType(_I16x16, [_I8x32] * 2), "llvm.x86.avx2.pmadd.ub.sw")
-        maddwd = cgutils.get_or_insert_function(
-            module, ir.FunctionType(_I32x8, [_I16x16] * 2), "llvm.x86.avx2.pmadd.wd")
-        ones = ir.Constant(_I16x16, [1] * 16)
-        i32 = ir.IntType(32)
-
-        def prepare(builder, w):
-            """w's two halves as bytes, each with its absolute value (|-128| reads as 128 unsigned)."""
-            b = builder.bitcast(w, ir.VectorType(ir.IntType(8), 64))
-            halves = [builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(i32, 32), list(range(o, o + 32))))
-                      for o in (0, 32)]
-            return [(h, builder.call(psign, [h, h])) for h in halves]
-
-        def dot(builder, acc, w, x4):
-            x = builder.bitcast(_splat(builder, x4, _I32x8), _I8x32)
-            sums = [builder.call(maddwd, [builder.call(maddubs, [a, builder.call(psign, [x, h])]), ones])
-                    for h, a in w]
-            return builder.add(acc, builder.shuffle_vector(sums[0], sums[1],
-                                                           ir.Constant(ir.VectorType(i32, 16), list(range(16)))))
-        return prepare, dot
-
     def _tile_kernel(n_rows: int, levels: int, n_tiles: int = 1):
         """An intrinsic computing out[r0 + r, t * TILE + j] for r < n_rows and the tile's 32 outputs j,
         from `levels` 8-bit codings of the input (qx, dx, qbias: [levels, rows, ...]). With n_tiles=2
@@ -239,10 +222,10 @@ if available():
                 at = signature.args
                 codes_a, qx_a, dx_a, sx_a, qb_a, scale_a, offset_a, out_a = args[:8]
                 tiles_v = [args[k] for k in tile_args]
-                r0_v, group_v = args[-2], args[-1]
+                r0_v, group_v, run_v = args[-3], args[-2], args[-1]
                 i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
                 module = builder.module
-                prepare, dot = (_dot_vnni if VNNI else _dot_avx2)(module)
+                prepare, dot = (byte_dots.dot_vnni if VNNI else byte_dots.dot_avx2)(module)
                 fma = cgutils.get_or_insert_function(
                     module, ir.FunctionType(_F32x16, [_F32x16] * 3), "llvm.fma.v16f32")
                 i8p = ir.IntType(8).as_pointer()
@@ -269,6 +252,8 @@ if available():
                         for _ in tiles_v]
                 iacc = [[[cgutils.alloca_once(builder, _I32x16) for _ in range(n_acc)] for _ in range(levels)]
                         for _ in tiles_v]
+                acc16 = [[cgutils.alloca_once(builder, byte_dots.I16x16) for _ in range(levels * n_rows * 4)]
+                         for _ in tiles_v]
                 k4 = builder.sdiv(k_in, i64(4))                                # qx row stride in dwords
                 qx_level = builder.mul(rows_total, k4)                         # level strides
                 x_level = builder.mul(rows_total, groups)
@@ -277,31 +262,85 @@ if available():
                 tile_vectors = builder.mul(builder.mul(groups, steps), i64(2))
                 c0 = [builder.mul(t_v, tile_vectors) for t_v in tiles_v]
                 s0 = [builder.mul(builder.mul(t_v, groups), i64(2)) for t_v in tiles_v]
+                # AVX2's runs: at most a group's steps, and a step for signed codes (run 0), which take
+                # the other path; divided once here, not in the loop (a 64-bit division is ~40 cycles)
+                run = builder.select(builder.icmp_signed("<", run_v, steps), run_v, steps)
+                run = builder.select(builder.icmp_signed("<", run, i64(1)), i64(1), run)
+                n_runs = builder.sdiv(steps, run)
                 with cgutils.for_range(builder, groups) as g_loop:
                     g = g_loop.index
                     for tile_acc in iacc:
                         for level in tile_acc:
                             for a in level:
                                 builder.store(ir.Constant(_I32x16, None), a)
-                    with cgutils.for_range(builder, steps) as s_loop:
-                        step = builder.add(builder.mul(g, steps), s_loop.index)
+
+                    def step_inputs(step):
                         xs = {}
                         for lv in range(levels):
                             for r in range(n_rows):
                                 x_at = builder.add(builder.add(q_row0, builder.mul(k4, i64(r))), step)
                                 x_at = builder.add(x_at, builder.mul(qx_level, i64(lv)))
                                 xs[lv, r] = builder.load(builder.gep(qx_p, [x_at]), align=1)
-                        for k in range(len(tiles_v)):
-                            w_at = builder.add(c0[k], builder.mul(step, i64(2)))
-                            w = [prepare(builder, builder.load(builder.gep(codes_p, [builder.add(w_at, i64(h))]),
-                                                               align=4)) for h in range(2)]
-                            ahead = builder.gep(codes_p, [builder.add(w_at, i64(PREFETCH_VECTORS))])
+                        return xs
+
+                    def step_codes(k, step):
+                        w_at = builder.add(c0[k], builder.mul(step, i64(2)))
+                        w = [builder.load(builder.gep(codes_p, [builder.add(w_at, i64(h))]), align=4)
+                             for h in range(2)]
+                        for h in range(2):      # both lines of the step (see PREFETCH_VECTORS)
+                            ahead = builder.gep(codes_p, [builder.add(w_at, i64(PREFETCH_VECTORS + h))])
                             builder.call(prefetch, [builder.bitcast(ahead, i8p), i32(0), i32(2), i32(1)])
-                            for lv in range(levels):
-                                for r in range(n_rows):
-                                    for h in range(2):
-                                        a = iacc[k][lv][2 * r + h]
-                                        builder.store(dot(builder, builder.load(a), w[h], xs[lv, r]), a)
+                        return w
+
+                    def signed_steps():
+                        with cgutils.for_range(builder, steps) as s_loop:
+                            step = builder.add(builder.mul(g, steps), s_loop.index)
+                            xs = step_inputs(step)
+                            for k in range(len(tiles_v)):
+                                w = [prepare(builder, v) for v in step_codes(k, step)]
+                                for lv in range(levels):
+                                    for r in range(n_rows):
+                                        for h in range(2):
+                                            a = iacc[k][lv][2 * r + h]
+                                            builder.store(dot(builder, builder.load(a), w[h], xs[lv, r]), a)
+
+                    def unsigned_runs():
+                        """AVX2, unsigned codes: runs of `run` steps summed in 16 bits, then widened."""
+                        halves, add16, widen = byte_dots.run_avx2(module)
+                        with cgutils.for_range(builder, n_runs) as c_loop:
+                            for k in range(len(tiles_v)):
+                                for a in acc16[k]:
+                                    builder.store(ir.Constant(byte_dots.I16x16, None), a)
+                            with cgutils.for_range(builder, run) as s_loop:
+                                step = builder.add(builder.mul(g, steps),
+                                                   builder.add(builder.mul(c_loop.index, run), s_loop.index))
+                                xs = step_inputs(step)
+                                for k in range(len(tiles_v)):
+                                    w = [halves(builder, v) for v in step_codes(k, step)]
+                                    for lv in range(levels):
+                                        for r in range(n_rows):
+                                            for h in range(2):
+                                                for half in range(2):
+                                                    a = acc16[k][((lv * n_rows + r) * 2 + h) * 2 + half]
+                                                    builder.store(add16(builder, builder.load(a), w[h][half],
+                                                                        xs[lv, r]), a)
+                            for k in range(len(tiles_v)):
+                                for lv in range(levels):
+                                    for r in range(n_rows):
+                                        for h in range(2):
+                                            at = ((lv * n_rows + r) * 2 + h) * 2
+                                            pair = [builder.load(acc16[k][at + half]) for half in range(2)]
+                                            a = iacc[k][lv][2 * r + h]
+                                            builder.store(widen(builder, builder.load(a), pair), a)
+
+                    if VNNI:
+                        signed_steps()
+                    else:
+                        with builder.if_else(builder.icmp_signed("==", run_v, i64(0))) as (then, otherwise):
+                            with then:
+                                signed_steps()
+                            with otherwise:
+                                unsigned_runs()
                     for k in range(len(tiles_v)):
                         sc_at = builder.add(s0[k], builder.mul(g, i64(2)))
                         sc = [builder.load(builder.gep(scale_p, [builder.add(sc_at, i64(h))]), align=4)
@@ -338,13 +377,13 @@ if available():
 
         if n_tiles == 1:
             @intrinsic
-            def tile_rows(typingctx, codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group):
-                return types.void(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group), codegen_for([8])
+            def tile_rows(typingctx, codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group, run):
+                return types.void(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group, run), codegen_for([8])
             return tile_rows
 
         @intrinsic
-        def tile_pair_rows(typingctx, codes, qx, dx, sx, qbias, scale, offset, out, t, u, r0, group):
-            return (types.void(codes, qx, dx, sx, qbias, scale, offset, out, t, u, r0, group),
+        def tile_pair_rows(typingctx, codes, qx, dx, sx, qbias, scale, offset, out, t, u, r0, group, run):
+            return (types.void(codes, qx, dx, sx, qbias, scale, offset, out, t, u, r0, group, run),
                     codegen_for([8, 9]))
         return tile_pair_rows
 
@@ -354,7 +393,7 @@ if available():
     _quantize_row_range = input_coding.quantize_row_range
 
     @njit(parallel=True, nogil=True, cache=True)
-    def _kernel(x, codes, scale, offset, bias, group, out):  # pragma: no cover - compiled
+    def _kernel(x, codes, scale, offset, bias, group, run, out):  # pragma: no cover - compiled
         rows, k_in = x.shape
         groups = k_in // group
         qx = np.empty((LEVELS, rows, k_in), np.int8)
@@ -370,9 +409,9 @@ if available():
         full = rows // ROWS * ROWS
         for t in prange(out.shape[1] // TILE):
             for r0 in range(0, full, ROWS):
-                _tile_rows_block(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group)
+                _tile_rows_block(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group, run)
             for r0 in range(full, rows):
-                _tile_rows1(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group)
+                _tile_rows1(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group, run)
 
 
 def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -391,7 +430,7 @@ def matmul(x: np.ndarray, w: Int8Matrix) -> np.ndarray:
     """x float32 [m, in] times the matrix -> float32 [m, out]."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], w.n_tiles * TILE), np.float32)
-    _kernel(x, w.codes, w.scale, w.offset, w.bias, w.group, out)
+    _kernel(x, w.codes, w.scale, w.offset, w.bias, w.group, w.run, out)
     return out[:, :w.out_features] if out.shape[1] != w.out_features else out
 
 

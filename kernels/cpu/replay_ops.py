@@ -28,12 +28,16 @@ CLAIM = 4           # tiles a thread takes at a time: 72-256 KiB of codes (twice
                     # a Xeon whose cores each stream ~10 GB/s, in-process A/B; claims of 8 another ~1 %)
 
 # columns of a replay's matrix table: each matrix's codes, scales and offsets (address, length) and layout
-CODES, SCALE_AT, OFFSET_AT, BIAS, GROUP, N_TILES, IN_FEATURES = 0, 2, 4, 6, 7, 8, 9
+CODES, SCALE_AT, OFFSET_AT, BIAS, GROUP, N_TILES, IN_FEATURES, RUN = 0, 2, 4, 6, 7, 8, 9, 10
 
 
 if njit is not None and int8_matmul.available():
     _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
     _tile_pair = int8_matmul._tile_pair1
+    # Two tiles read at once only with VNNI: AVX2's kernel holds twice the accumulators (16-bit runs
+    # beside the 32-bit sums), and paired it spills them: one thread over a 512x576 matrix in cache
+    # multiplied 44-48 GB/s of 4-bit codes alone, 34-36 paired (Q8_0's signed codes: 32 and 19)
+    _PAIR_TILES = int8_matmul.VNNI
     _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
     _store_half = decode_attention.store_half_row
@@ -62,6 +66,7 @@ if njit is not None and int8_matmul.available():
         """Operation i; `claims`: its row of tile counters in sync (i, or i + step * ops in a multi-step call)."""
         w = ops[i, 5]
         bias, group, n_tiles, k_in = mats[w, BIAS], mats[w, GROUP], mats[w, N_TILES], mats[w, IN_FEATURES]
+        run = mats[w, RUN]
         groups = k_in // group
         x = x_s[th, :rows * k_in].reshape((rows, k_in))
         for r in range(rows):
@@ -98,15 +103,15 @@ if njit is not None and int8_matmul.available():
                 count = min(claim, hi - lo - before)
                 first = lo + taken_here if k == 0 else hi - taken_here - count
                 taken_here += count
-                pairs = count // 2 if rows == 1 else 0     # one row: the claim read as two streams
+                pairs = count // 2 if rows == 1 and _PAIR_TILES else 0     # one row: the claim read as two streams
                 for j in range(pairs):
                     _tile_pair(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, first + j, first + pairs + j,
-                               0, group)
+                               0, group, run)
                 for t in range(first + 2 * pairs, first + count):
                     for r0 in range(0, full, _ROWS):
-                        _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
+                        _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group, run)
                     for r0 in range(full, rows):
-                        _tile_one(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group)
+                        _tile_one(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group, run)
 
     @njit(inline="always")
     def _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
