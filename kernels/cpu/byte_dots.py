@@ -39,37 +39,9 @@ if ir is not None:
             return builder.call(dpbusd, [acc, w, _splat(builder, x4, _I32x16)])
         return prepare, dot
 
-
-    def dot_avx2(module):
-        """The same sum with w signed, on two 32-byte halves: vpmaddubsw(|w|, x * sign(w)) summed in
-        pairs by vpmaddwd (llama.cpp's mul_sum_i8_pairs)."""
-        psign = cgutils.get_or_insert_function(module, ir.FunctionType(_I8x32, [_I8x32] * 2), "llvm.x86.avx2.psign.b")
-        maddubs = cgutils.get_or_insert_function(
-            module, ir.FunctionType(I16x16, [_I8x32] * 2), "llvm.x86.avx2.pmadd.ub.sw")
-        maddwd = cgutils.get_or_insert_function(
-            module, ir.FunctionType(_I32x8, [I16x16] * 2), "llvm.x86.avx2.pmadd.wd")
-        ones = ir.Constant(I16x16, [1] * 16)
-        i32 = ir.IntType(32)
-
-        def prepare(builder, w):
-            """w's two halves as bytes, each with its absolute value (|-128| reads as 128 unsigned)."""
-            b = builder.bitcast(w, ir.VectorType(ir.IntType(8), 64))
-            halves = [builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(i32, 32), list(range(o, o + 32))))
-                      for o in (0, 32)]
-            return [(h, builder.call(psign, [h, h])) for h in halves]
-
-        def dot(builder, acc, w, x4):
-            x = builder.bitcast(_splat(builder, x4, _I32x8), _I8x32)
-            sums = [builder.call(maddwd, [builder.call(maddubs, [a, builder.call(psign, [x, h])]), ones])
-                    for h, a in w]
-            return builder.add(acc, builder.shuffle_vector(sums[0], sums[1],
-                                                           ir.Constant(ir.VectorType(i32, 16), list(range(16)))))
-        return prepare, dot
-
-
-    def run_avx2(module):
-        """For unsigned codes: each step's vpmaddubsw pair sums added in 16 bits (vpaddw) over a run of
-        steps, widened once a run by vpmaddwd with ones; Int8Matrix.run keeps the sums in range."""
+    def _avx2_ops(module):
+        """vpmaddubsw, vpmaddwd, the ones vpmaddwd sums pairs with, and two helpers: a 64-byte
+        vector's two 32-byte halves, and two 8 x i32 sums joined into one 16-lane vector."""
         maddubs = cgutils.get_or_insert_function(
             module, ir.FunctionType(I16x16, [_I8x32] * 2), "llvm.x86.avx2.pmadd.ub.sw")
         maddwd = cgutils.get_or_insert_function(
@@ -82,12 +54,39 @@ if ir is not None:
             return [builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(i32, 32), list(range(o, o + 32))))
                     for o in (0, 32)]
 
+        def joined(builder, sums):
+            return builder.shuffle_vector(sums[0], sums[1], ir.Constant(ir.VectorType(i32, 16), list(range(16))))
+        return maddubs, maddwd, ones, halves, joined
+
+    def _input_bytes(builder, x4):
+        """Four input codes (one i32) in every 4-byte lane of a 32-byte vector."""
+        return builder.bitcast(_splat(builder, x4, _I32x8), _I8x32)
+
+    def dot_avx2(module):
+        """The same sum with w signed, on two 32-byte halves: vpmaddubsw(|w|, x * sign(w)) summed in
+        pairs by vpmaddwd (llama.cpp's mul_sum_i8_pairs)."""
+        psign = cgutils.get_or_insert_function(module, ir.FunctionType(_I8x32, [_I8x32] * 2), "llvm.x86.avx2.psign.b")
+        maddubs, maddwd, ones, halves, joined = _avx2_ops(module)
+
+        def prepare(builder, w):
+            """w's two halves as bytes, each with its absolute value (|-128| reads as 128 unsigned)."""
+            return [(h, builder.call(psign, [h, h])) for h in halves(builder, w)]
+
+        def dot(builder, acc, w, x4):
+            x = _input_bytes(builder, x4)
+            sums = [builder.call(maddwd, [builder.call(maddubs, [a, builder.call(psign, [x, h])]), ones])
+                    for h, a in w]
+            return builder.add(acc, joined(builder, sums))
+        return prepare, dot
+
+    def run_avx2(module):
+        """For unsigned codes: each step's vpmaddubsw pair sums added in 16 bits (vpaddw) over a run of
+        steps, widened once a run by vpmaddwd with ones; Int8Matrix.run keeps the sums in range."""
+        maddubs, maddwd, ones, halves, joined = _avx2_ops(module)
+
         def add16(builder, acc16, half, x4):
-            x = builder.bitcast(_splat(builder, x4, _I32x8), _I8x32)
-            return builder.add(acc16, builder.call(maddubs, [half, x]))
+            return builder.add(acc16, builder.call(maddubs, [half, _input_bytes(builder, x4)]))
 
         def widen(builder, acc, pair16):
-            sums = [builder.call(maddwd, [a, ones]) for a in pair16]
-            return builder.add(acc, builder.shuffle_vector(sums[0], sums[1],
-                                                           ir.Constant(ir.VectorType(i32, 16), list(range(16)))))
+            return builder.add(acc, joined(builder, [builder.call(maddwd, [a, ones]) for a in pair16]))
         return halves, add16, widen

@@ -15,10 +15,11 @@ with s[g] the float32 sum of the group's inputs, the integer sums taken by
 `vpdpbusd` (64 byte products an instruction), or on AVX2 by `vpmaddubsw` (codes of
 4-6 bits stored unsigned and summed in 16 bits over several steps, see avx2_layout;
 kernels/cpu/byte_dots.py), instead of float32 FMAs on weights four times the size.
-One level, as llama.cpp multiplies, was 12-37 % faster (prefill, 32-sequence decode) but left the input's 8-bit rounding in every
-product: one ulp of an RMSNorm scale moved codes, and logits by more than 0.5,
-enough to flip the reference agreement test; with two levels a product is within ~5e-5 of the
-float32 one (relative to its largest output) and the same change moves nothing.
+One level, as llama.cpp multiplies, was 12-37 % faster (prefill, 32-sequence decode)
+but left the input's 8-bit rounding in every product: one ulp of an RMSNorm scale moved
+codes, and logits by more than 0.5, enough to flip the reference agreement test; with
+two levels a product is within ~5e-5 of the float32 one (relative to its largest
+output) and the same change moves nothing.
 
 The inner kernel is written in LLVM IR through a numba intrinsic (numba has no
 vector types): one tile of 32 outputs by 3 input rows (or 1), the tile's codes
@@ -292,17 +293,19 @@ if available():
                             builder.call(prefetch, [builder.bitcast(ahead, i8p), i32(0), i32(2), i32(1)])
                         return w
 
+                    def sums():
+                        """(tile, level, row, h): each 16-output vector of sums the tiles keep."""
+                        return [(k, lv, r, h) for k in range(len(tiles_v)) for lv in range(levels)
+                                for r in range(n_rows) for h in range(2)]
+
                     def signed_steps():
                         with cgutils.for_range(builder, steps) as s_loop:
                             step = builder.add(builder.mul(g, steps), s_loop.index)
                             xs = step_inputs(step)
-                            for k in range(len(tiles_v)):
-                                w = [prepare(builder, v) for v in step_codes(k, step)]
-                                for lv in range(levels):
-                                    for r in range(n_rows):
-                                        for h in range(2):
-                                            a = iacc[k][lv][2 * r + h]
-                                            builder.store(dot(builder, builder.load(a), w[h], xs[lv, r]), a)
+                            w = [[prepare(builder, v) for v in step_codes(k, step)] for k in range(len(tiles_v))]
+                            for k, lv, r, h in sums():
+                                a = iacc[k][lv][2 * r + h]
+                                builder.store(dot(builder, builder.load(a), w[k][h], xs[lv, r]), a)
 
                     def unsigned_runs():
                         """AVX2, unsigned codes: runs of `run` steps summed in 16 bits, then widened."""
@@ -315,23 +318,16 @@ if available():
                                 step = builder.add(builder.mul(g, steps),
                                                    builder.add(builder.mul(c_loop.index, run), s_loop.index))
                                 xs = step_inputs(step)
-                                for k in range(len(tiles_v)):
-                                    w = [halves(builder, v) for v in step_codes(k, step)]
-                                    for lv in range(levels):
-                                        for r in range(n_rows):
-                                            for h in range(2):
-                                                for half in range(2):
-                                                    a = acc16[k][((lv * n_rows + r) * 2 + h) * 2 + half]
-                                                    builder.store(add16(builder, builder.load(a), w[h][half],
-                                                                        xs[lv, r]), a)
-                            for k in range(len(tiles_v)):
-                                for lv in range(levels):
-                                    for r in range(n_rows):
-                                        for h in range(2):
-                                            at = ((lv * n_rows + r) * 2 + h) * 2
-                                            pair = [builder.load(acc16[k][at + half]) for half in range(2)]
-                                            a = iacc[k][lv][2 * r + h]
-                                            builder.store(widen(builder, builder.load(a), pair), a)
+                                w = [[halves(builder, v) for v in step_codes(k, step)] for k in range(len(tiles_v))]
+                                for k, lv, r, h in sums():
+                                    for half in range(2):
+                                        a = acc16[k][((lv * n_rows + r) * 2 + h) * 2 + half]
+                                        builder.store(add16(builder, builder.load(a), w[k][h][half], xs[lv, r]), a)
+                            for k, lv, r, h in sums():
+                                at = ((lv * n_rows + r) * 2 + h) * 2
+                                pair = [builder.load(acc16[k][at + half]) for half in range(2)]
+                                a = iacc[k][lv][2 * r + h]
+                                builder.store(widen(builder, builder.load(a), pair), a)
 
                     if VNNI:
                         signed_steps()
