@@ -36,7 +36,7 @@ if njit is not None and int8_matmul.available():
     _tile_pair = int8_matmul._tile_pair1
     # Two tiles read at once only with VNNI: AVX2's kernel holds twice the accumulators (16-bit runs
     # beside the 32-bit sums), and paired it spills them: one thread over a 512x576 matrix in cache
-    # multiplied 44-48 GB/s of 4-bit codes alone, 34-36 paired (Q8_0's signed codes: 32 and 19)
+    # multiplied 43-48 GB/s of 4-bit codes alone, 40-41 paired (Q8_0's signed codes: 31-33 and 27)
     _PAIR_TILES = int8_matmul.VNNI
     _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
