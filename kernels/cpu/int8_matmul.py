@@ -51,14 +51,6 @@ TILE = 32           # outputs per tile: two 16-lane vectors
 LEVELS = 2         # 8-bit codings of each input: ggml's, then the same coding of what it leaves
 BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K))
 ROWS = 3            # input rows a micro-kernel call: 4 rows x 2 levels x 2 halves ran out of vector registers
-# The codes are prefetched into L2 this many 64-byte vectors (16 KiB) ahead of the loads, both
-# lines of each step. On a Xeon the hardware prefetcher alone kept one-row products of every
-# SmolLM2 matrix at ~22-24 GB/s on 2 cores whose OpenBLAS sgemv streams ~29; 8 KiB ahead, every
-# other line, gave 25-28 (Intel's L2 fetches a line's pair itself). On a Zen 3 EPYC, whose L2
-# does not, one thread over a 210 MB matrix read 10.8 GB/s so (sgemv: 21); both lines, 16 KiB
-# ahead: 19-27 (2 threads 25-40, as the host's memory moved); 8, 24 or 32 KiB were no better,
-# nor was prefetching the scales and offsets as well.
-PREFETCH_VECTORS = 256
 # Passes of this many rows and more code their inputs in parallel; fewer (decode, the logits of a
 # few rows) on the calling thread, without a second parallel region a product.
 PARALLEL_CODING_ROWS = 8
@@ -74,6 +66,18 @@ VNNI = njit is not None and _has("avx512f", "avx512bw", "avx512vnni")
 # sequence: vpmaddubsw needs an unsigned operand and saturates at 16 bits, so the codes are kept
 # signed (no bias) and multiplied as |code| times q with the code's sign (128 * 127 * 2 < 2**15).
 AVX2 = njit is not None and not VNNI and _has("avx2", "fma")
+# The codes are prefetched into L2 PREFETCH_VECTORS 64-byte vectors ahead of the loads: with
+# VNNI every other line (8 KiB ahead), on AVX2 both lines of each step (16 KiB ahead). On a Xeon
+# the hardware prefetcher alone kept one-row products of every SmolLM2 matrix at ~22-24 GB/s on
+# 2 cores whose OpenBLAS sgemv streams ~29; 8 KiB ahead, every other line, gave 25-28 (Intel's
+# L2 fetches a line's pair itself). On a Zen 3 EPYC (AVX2), whose L2 did not, one thread over a
+# 210 MB matrix read 10.8 GB/s so (sgemv: 21); both lines, 16 KiB ahead: 19-27 (2 threads 25-40,
+# as the host's memory moved); 8, 24 or 32 KiB were no better, nor was prefetching the scales
+# and offsets as well. On a Zen 4 EPYC (VNNI) both lines 16 KiB ahead were the slower: SmolLM2
+# decode products 31.2 GB/s against 32.5 every other line 8 KiB ahead, steps 6.62 against 6.24 ms
+# (three rounds of make profile-decode, each variant in its own process; docs/BENCHMARKS.md).
+PREFETCH_VECTORS = 128 if VNNI else 256
+PREFETCH_LINES = 1 if VNNI else 2
 
 
 def available() -> bool:
@@ -288,7 +292,7 @@ if available():
                         w_at = builder.add(c0[k], builder.mul(step, i64(2)))
                         w = [builder.load(builder.gep(codes_p, [builder.add(w_at, i64(h))]), align=4)
                              for h in range(2)]
-                        for h in range(2):      # both lines of the step (see PREFETCH_VECTORS)
+                        for h in range(PREFETCH_LINES):     # see PREFETCH_VECTORS
                             ahead = builder.gep(codes_p, [builder.add(w_at, i64(PREFETCH_VECTORS + h))])
                             builder.call(prefetch, [builder.bitcast(ahead, i8p), i32(0), i32(2), i32(1)])
                         return w
