@@ -218,7 +218,8 @@ class Frontend:
         if self.scheduler is None:
             raise FrontendError("the router has no scheduler to send requests to (start it with --scheduler)",
                                 503, code="unavailable")
-        req = scheduler_pb2.SubmitRequest(request_id=p.request_id, prompt_token_ids=p.prompt_ids)
+        req = scheduler_pb2.SubmitRequest(request_id=p.request_id, prompt_token_ids=p.prompt_ids,
+                                          eos_token_ids=sorted(self.tokenizer.eos_ids))
         sampling_params_to_proto(p.params, req.sampling)
         if p.prompt_logprobs is not None:
             req.prompt_logprobs = p.prompt_logprobs

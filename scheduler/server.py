@@ -58,17 +58,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             (dataclasses.replace(params, max_tokens=1) if score_only else params).validate()
         except (ValueError, TypeError) as exc:
             raise SubmitRefused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        eos_ids = frozenset(int(t) for t in request.eos_token_ids)
         if vocab:
-            bad = [t for t in params.stop_token_ids if t < 0 or t >= vocab]
-            if bad:
-                raise SubmitRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            for what, ids in (("stop token id", params.stop_token_ids), ("end-of-generation token id", eos_ids)):
+                bad = [t for t in ids if t < 0 or t >= vocab]
+                if bad:
+                    raise SubmitRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"{what} {bad[0]} is outside the vocabulary [0, {vocab})")
         limit = int(d.max_context)
         if len(prompt) + (0 if score_only else 1) > limit:
             raise SubmitRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt has {len(prompt)} tokens but the context holds {limit}"
                                 + ("" if score_only else " (and at least one must be generated)"))
-        seq = Sequence(prompt, params, seq_id=next(_seq_ids))
+        seq = Sequence(prompt, params, seq_id=next(_seq_ids), eos_ids=eos_ids)
         if request.HasField("prompt_logprobs"):
             k = max(int(request.prompt_logprobs), 1)     # each prompt token's own logprob comes besides
             seq.score_top_k = min(k, vocab) if vocab else k

@@ -159,6 +159,21 @@ def test_abort_rpc_ends_the_stream(stack):
     assert s
 
 
+def test_end_of_generation_ids_end_a_sequence(stack):
+    free, _, _ = collect(stack, submit_request(CASE["prompt_tokens"], 6))
+    request = submit_request(CASE["prompt_tokens"], 6)
+    request.eos_token_ids[:] = [free[2]]
+    tokens, last, _ = collect(stack, request)
+    assert tokens == free[:free.index(free[2]) + 1] and last.finish_reason == common_pb2.FINISH_REASON_STOP
+    request.sampling.ignore_eos = True
+    assert collect(stack, request)[0] == free
+    request.eos_token_ids[:] = [60000]
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stack, request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "end-of-generation token id 60000" in \
+        err.value.details()
+
+
 @pytest.mark.parametrize("prompt,sampling,words", [
     ([], {}, ["empty"]),
     ([5] * 2000, {}, ["2000", "context holds"]),

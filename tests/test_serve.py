@@ -70,6 +70,25 @@ def test_openai_client_streams_and_completes(served):
     assert "Paris" in plain.choices[0].text
 
 
+def test_generation_ends_at_the_models_end_of_generation_token(served):
+    """SmolLM2 answers this question in a few tokens and then samples <|im_end|>: the answer stops
+    there ("stop", fewer tokens than asked for), where the same request with ignore_eos goes on."""
+    client = openai.OpenAI(base_url=f"http://{served['http']}/v1", api_key="unused")
+    ask = dict(model="smollm2-135m", max_tokens=40, temperature=0, logprobs=True,
+               messages=[{"role": "user", "content": "What is the capital of France?"}])
+    stopped = client.chat.completions.create(**ask)
+    longer = client.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop"
+    n = stopped.usage.completion_tokens
+    assert 0 < n < 40 and longer.usage.completion_tokens == 40
+    tokens = [t.token for t in choice.logprobs.content]
+    assert len(tokens) == n
+    assert tokens == [t.token for t in longer.choices[0].logprobs.content][:n]
+    assert tokens[-1] == "<|im_end|>" and "<|im_end|>" not in tokens[:-1]
+    assert "<|im_end|>" not in choice.message.content
+
+
 def test_dead_worker_gives_clear_errors_and_the_router_stays_up(tmp_path):
     proc, info = start_serve(tmp_path, "dying")
     try:
