@@ -205,6 +205,23 @@ def test_rope_rows_follow_each_positions_array(ops):
         close(ops.rope(x, positions, base, 8, True), ref_rope(x, positions, base, 8, True), atol=1e-4)
 
 
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n_dims", [64, 32])
+def test_compiled_rope_equals_numpys_on_a_fused_projections_view(ops, monkeypatch, neox, n_dims):
+    """The compiled kernel takes the Q/K heads as a view of the fused QKV rows and gives the same
+    float32 values, bit for bit, as the numpy expressions it replaced."""
+    from kernels.cpu import elementwise
+    if not elementwise.available():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(5)
+    qkv = rng.standard_normal((32, 15 * 64)).astype(np.float32)
+    qk = qkv[:, :12 * 64].reshape(32, 12, 64)
+    positions = rng.integers(0, 5000, 32)
+    compiled = ops.rope(qk, positions, 10000.0, n_dims, neox)
+    monkeypatch.setattr(elementwise, "available", lambda: False)
+    np.testing.assert_array_equal(compiled, ops.rope(qk, positions, 10000.0, n_dims, neox))
+
+
 def test_rope_norm_and_neox_differ(ops):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 1, 8)).astype(np.float32)

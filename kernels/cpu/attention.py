@@ -36,7 +36,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, met
     float16 (the backend stores K/V rounded to float16 in these passes)."""
     if rowwise and meta.causal and decode_attention.available():
         tables, ctx = meta.row_tables
-        return decode_attention.decode_attention(q.astype(np.float16).astype(np.float32), k_cache, v_cache,
+        return decode_attention.decode_attention(decode_attention.half_queries(q), k_cache, v_cache,
                                                  tables, ctx, scale, window, parallel=compiled,
                                                  half_probabilities=True)
     starts = meta.row_starts

@@ -71,7 +71,7 @@ class CPUBackend:
         self.int8_matmul = False        # set by plan_weights for a model whose every matrix has byte codes
         self._compiled_pass: bool | None = None     # set by begin_pass; None: decided per call
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._rope_rows_of: dict[tuple[float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._rope_rows_of: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # TS_GRAPH_REPLAY=0: every pass calls the kernels one at a time
         self.graph_replay = _env_flag("TS_GRAPH_REPLAY") and graph_replay.available()
         self._replays: dict[tuple[int, int, int, bool], graph_replay.Replay | None] = {}
@@ -101,8 +101,8 @@ class CPUBackend:
         if self._int8_everywhere:
             return "8-bit integers (AVX-512 VNNI, TS_INT8_MATMUL=0 turns them off)"
         if self.int8_matmul:
-            return ("float32 sgemm (OpenBLAS), 8-bit integers (AVX2) for passes of <= %d rows "
-                    "(TS_INT8_MATMUL=0 turns them off)" % quantized.COMPILED_MAX_ROWS)
+            return ("8-bit integers (AVX2) for decode passes, float32 sgemm (OpenBLAS) for prompts "
+                    "(TS_INT8_MATMUL=0 turns the 8-bit products off)")
         if self.quantized_matmul:
             return "float32 sgemm (OpenBLAS), quantized codes for passes of <= %d rows" % quantized.COMPILED_MAX_ROWS
         return "float32 sgemm (OpenBLAS)"
@@ -114,9 +114,12 @@ class CPUBackend:
         inside a pass costs milliseconds while the other pool's threads spin. The runner calls it
         again for the logits product, the pass's last, by the rows it samples. When every matrix
         has 8-bit codes no product uses OpenBLAS, and every pass is compiled. With AVX2's 8-bit
-        codes (kept beside sgemm's float32) only decode passes are compiled: a prompt's rows all
-        go through sgemm, so a prompt prefilled in chunks gets what one pass gives (the 8-bit
-        coding of a 4-token last chunk moved logits by ~1e-2)."""
+        codes (kept beside sgemm's float32) only decode passes are compiled, of any size: a
+        prompt's rows all go through sgemm, so a prompt prefilled in chunks gets what one pass
+        gives (the 8-bit coding of a 4-token last chunk moved logits by ~1e-2), and a sequence's
+        decode rows are computed the same way whatever its batch. 32 decode rows of SmolLM2 took
+        about as long in 8-bit products as in sgemm with every weight in cache, but read a quarter
+        of the bytes, and attention and the element-wise work then run on both threads too."""
         self._compiled_pass = self._compiled_for(num_tokens, decode)
 
     @property
@@ -124,8 +127,8 @@ class CPUBackend:
         return self.int8_matmul and int8_matmul.VNNI
 
     def _compiled_for(self, rows: int, decode: bool) -> bool:
-        few = rows <= quantized.COMPILED_MAX_ROWS and (decode or not self.int8_matmul)
-        return self.quantized_matmul and (few or self._int8_everywhere)
+        few = rows <= quantized.COMPILED_MAX_ROWS and not self.int8_matmul
+        return self.quantized_matmul and (few or self._int8_everywhere or (self.int8_matmul and decode))
 
     def _compiled(self, rows: int) -> bool:
         """The pass's choice; a call outside a pass decides by its own rows, as a prompt's."""
@@ -267,6 +270,13 @@ class CPUBackend:
         return held[1], held[2]
 
     def rope(self, x: np.ndarray, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> np.ndarray:
+        if elementwise.available() and x.ndim == 3:
+            key = ("tables", float(base), n_dims)
+            held = self._rope_rows_of.get(key)       # every layer of a pass: no positions.max() again
+            if held is None or held[0] is not positions:
+                held = (positions, *self.rope_table(base, n_dims, int(positions.max(initial=0))))
+                self._rope_rows_of[key] = held
+            return elementwise.rope(x, positions, held[1], held[2], n_dims, neox)
         cos, sin = self._rope_rows(positions, base, n_dims)
         if neox:
             half = n_dims // 2

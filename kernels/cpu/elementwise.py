@@ -35,16 +35,44 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up = gate * up / (1 + exp(-gate)), for [rows, n] halves of a fused projection."""
-    out = np.empty(gate.shape, np.float32)
-    _swiglu_kernel(gate, up, out, np.empty(gate.shape[-1], np.int32))
-    return out
+    return _gated(_swiglu_kernel, gate, up)
 
 
 def gelu_tanh_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """tanh-GELU(gate) * up, for [..., n] halves of a fused projection."""
+    return _gated(_gelu_tanh_gate_kernel, gate, up)
+
+
+def _gated(kernel, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     n = gate.shape[-1]
     out = np.empty(gate.shape, np.float32)
-    _gelu_tanh_gate_kernel(gate.reshape(-1, n), up.reshape(-1, n), out.reshape(-1, n), np.empty(n, np.int32))
+    (gate_flat, gate_stride), (up_flat, up_stride) = _flat_rows(gate.reshape(-1, n)), _flat_rows(up.reshape(-1, n))
+    kernel(gate_flat, gate_stride, up_flat, up_stride, out.reshape(-1, n), np.empty(n, np.int32))
+    return out
+
+
+def _flat_rows(rows: np.ndarray) -> tuple[np.ndarray, int]:
+    """[r, n] float32 rows as one contiguous 1-D view from the first element to the last, and the
+    row stride in elements. The halves of a fused projection are views with a row stride of 2n:
+    numba compiles those ('A' layout) with strided loads that do not vectorize (95 us for 32 of
+    SmolLM2's rows, against 37 for contiguous rows); slices of a contiguous view do."""
+    if rows.dtype != np.float32 or rows.strides[1] != 4 or rows.strides[0] % 4 or rows.flags.c_contiguous:
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        return rows.reshape(-1), rows.shape[1]
+    stride = rows.strides[0] // 4
+    span = (rows.shape[0] - 1) * stride + rows.shape[1]
+    return np.lib.stride_tricks.as_strided(rows, shape=(span,), strides=(4,), writeable=False), stride
+
+
+def rope(x: np.ndarray, positions: np.ndarray, cos_table: np.ndarray, sin_table: np.ndarray, n_dims: int,
+         neox: bool) -> np.ndarray:
+    """x [tokens, heads, d] rotated by the angles of its tokens' positions (rows of the cos/sin
+    tables [positions, n_dims // 2]); dimensions past n_dims are copied. The same float32
+    products and sums as numpy's, in one pass: 32 decode rows of SmolLM2's 12 heads took 85 us
+    in numpy's eight array operations, 21 here (AVX2 EPYC)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)    # a view of the fused projection: copied, the loops then vectorize
+    out = np.empty(x.shape, np.float32)
+    _rope_kernel(x, np.ascontiguousarray(positions, dtype=np.int64), cos_table, sin_table, n_dims, neox, out)
     return out
 
 
@@ -122,14 +150,35 @@ def rms_norm_row(x, weight, eps, out):  # pragma: no cover - compiled by numba
         out[j] = (x[j] * scale) * weight[j]
 
 
-def _swiglu_rows(gate, up, out, bits):  # pragma: no cover - compiled by numba
-    for i in range(gate.shape[0]):
-        swiglu_row(gate[i], up[i], out[i], bits)
+def _swiglu_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
+    n = out.shape[1]
+    for i in range(out.shape[0]):
+        swiglu_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n], out[i], bits)
 
 
-def _gelu_tanh_gate_rows(gate, up, out, bits):  # pragma: no cover - compiled by numba
-    for i in range(gate.shape[0]):
-        gelu_tanh_gate_row(gate[i], up[i], out[i], bits)
+def _gelu_tanh_gate_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
+    n = out.shape[1]
+    for i in range(out.shape[0]):
+        gelu_tanh_gate_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n],
+                           out[i], bits)
+
+
+def _rope_rows(x, positions, cos_table, sin_table, n_dims, neox, out):  # pragma: no cover - compiled by numba
+    half = n_dims // 2
+    for t in range(x.shape[0]):
+        if not 0 <= positions[t] < cos_table.shape[0]:
+            raise IndexError("a position is outside the RoPE table")
+        cos, sin = cos_table[positions[t]], sin_table[positions[t]]
+        for h in range(x.shape[1]):
+            src, dst = x[t, h], out[t, h]
+            for j in range(half):
+                i0 = j if neox else 2 * j
+                i1 = i0 + half if neox else i0 + 1
+                x0, x1 = src[i0], src[i1]
+                dst[i0] = x0 * cos[j] - x1 * sin[j]
+                dst[i1] = x0 * sin[j] + x1 * cos[j]
+            for j in range(n_dims, x.shape[2]):
+                dst[j] = src[j]
 
 
 def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled by numba
@@ -141,11 +190,16 @@ def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled by numba
 if available():
     exp_shifted = njit(fastmath=True, cache=True, nogil=True)(exp_shifted)
     round_to_half = njit(cache=True, nogil=True)(round_to_half)
-    swiglu_row = njit(fastmath=True, cache=True, nogil=True)(swiglu_row)
-    gelu_tanh_gate_row = njit(fastmath=True, cache=True, nogil=True)(gelu_tanh_gate_row)
+    # numpy's error model: under Python's, every division checks its divisor for zero and the
+    # loop stays scalar (1.3 ns an element, against 0.2-0.4 vectorized); without "arcp" the
+    # vector division is the exact one, so the results are those of the scalar loop
+    _EXACT_FASTMATH = {"nnan", "ninf", "nsz", "contract", "afn", "reassoc"}
+    swiglu_row = njit(fastmath=_EXACT_FASTMATH, error_model="numpy", cache=True, nogil=True)(swiglu_row)
+    gelu_tanh_gate_row = njit(fastmath=_EXACT_FASTMATH, error_model="numpy", cache=True, nogil=True)(gelu_tanh_gate_row)
     rms_norm_row = njit(fastmath=True, cache=True, nogil=True)(rms_norm_row)
 _rms_norm_kernel = njit(cache=True, nogil=True)(_rms_norm_rows) if available() else None
 _swiglu_kernel = njit(cache=True, nogil=True)(_swiglu_rows) if available() else None
+_rope_kernel = njit(cache=True, nogil=True)(_rope_rows) if available() else None
 
 
 def _exp_sum_rows(logits, shifts, out, chunk, bits):  # pragma: no cover - compiled by numba
@@ -170,5 +224,8 @@ def warm_up() -> None:
         rms_norm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6)
         both = np.ones((1, 16), np.float32)
         swiglu(both[:, :8], both[:, 8:])
+        for neox in (False, True):     # the [tokens, heads, d] views of a fused projection's rows
+            table = np.ones((1, 4), np.float32)
+            rope(both[:, :16].reshape(1, 2, 8), np.zeros(1, np.int64), table, table, 8, neox)
         gelu_tanh_gate(both[:, :8], both[:, 8:])
         exp_sums(both, np.zeros(1))

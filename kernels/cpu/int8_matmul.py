@@ -50,7 +50,6 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 TILE = 32           # outputs per tile: two 16-lane vectors
 LEVELS = 2         # 8-bit codings of each input: ggml's, then the same coding of what it leaves
 BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K))
-ROWS = 3            # input rows a micro-kernel call: 4 rows x 2 levels x 2 halves ran out of vector registers
 # Passes of this many rows and more code their inputs in parallel; fewer (decode, the logits of a
 # few rows) on the calling thread, without a second parallel region a product.
 PARALLEL_CODING_ROWS = 8
@@ -78,6 +77,12 @@ AVX2 = njit is not None and not VNNI and _has("avx2", "fma")
 # (three rounds of make profile-decode, each variant in its own process; docs/BENCHMARKS.md).
 PREFETCH_VECTORS = 128 if VNNI else 256
 PREFETCH_LINES = 1 if VNNI else 2
+# Input rows a micro-kernel call. With VNNI's 32 registers, 3 rows x 2 levels x 2 halves of
+# accumulators fit (4 rows ran out). AVX2 has 16, and its 16-bit runs keep 8 accumulators a row:
+# 3 rows spilled them to the stack every step. One row at a time reads the tile's codes again
+# from L1 for each row, and was the faster: 32 rows of SmolLM2's products took 0.62-0.75 of the
+# time (Zen 3 EPYC; the integer sums, and so the results, are the same).
+ROWS = 3 if VNNI else 1
 
 
 def available() -> bool:
