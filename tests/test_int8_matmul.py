@@ -248,3 +248,28 @@ def test_backend_keeps_the_byte_codes(monkeypatch):
     assert not CPUBackend(quantized_matmul=True).int8_allowed
     monkeypatch.setenv("TS_INT8_MATMUL", "1")
     assert CPUBackend(quantized_matmul=True).int8_allowed
+
+
+def test_decode_batches_stay_in_8_bits_unless_most_codes_take_the_sign_trick():
+    """Decode passes of more than 4 rows take the 8-bit products with VNNI, and on AVX2 while less
+    than half of the code bytes are signed codes (the sign trick is slower than sgemm on 32 rows)."""
+    rng = np.random.default_rng(8)
+    ops = CPUBackend(quantized_matmul=True, int8=True)
+    ops.plan_weights({int(T.Q4_K), int(T.Q8_0)})
+    assert ops.int8_matmul
+    q4 = random_tensor("Q4_K", 64, 256, rng)
+    assert ops.prepare_weight(dequantize(q4, T.Q4_K, (64, 256)), [(q4, T.Q4_K, (64, 256))]).int8.run != 0 \
+        or int8_matmul.VNNI
+    assert ops.decode_batches_in_int8
+    ops.begin_pass(32, decode=True)
+    assert ops._compiled_pass
+    q8 = random_tensor("Q8_0", 128, 256, rng)        # full-range codes: signed on AVX2, twice Q4_K's bytes
+    w8 = ops.prepare_weight(dequantize(q8, T.Q8_0, (128, 256)), [(q8, T.Q8_0, (128, 256))])
+    assert w8.int8.run == 0
+    assert ops.decode_batches_in_int8 == int8_matmul.VNNI
+    ops.begin_pass(32, decode=True)
+    assert ops._compiled_pass == int8_matmul.VNNI
+    ops.begin_pass(4, decode=True)                   # few rows: 8-bit products everywhere
+    assert ops._compiled_pass
+    ops.begin_pass(32, decode=False)                 # a prompt's rows: sgemm on AVX2
+    assert ops._compiled_pass == int8_matmul.VNNI

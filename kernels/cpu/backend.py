@@ -69,6 +69,8 @@ class CPUBackend:
         self.quantized_matmul = quantized_matmul and quantized.available()
         self.int8_allowed = self.quantized_matmul and int8 and int8_matmul.available()
         self.int8_matmul = False        # set by plan_weights for a model whose every matrix has byte codes
+        # AVX2: code bytes of the matrices that take the sign trick (Q8_0's, mostly), and of all
+        self._signed_code_bytes, self._code_bytes = 0, 0
         self._compiled_pass: bool | None = None     # set by begin_pass; None: decided per call
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
         self._rope_rows_of: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -101,8 +103,9 @@ class CPUBackend:
         if self._int8_everywhere:
             return "8-bit integers (AVX-512 VNNI, TS_INT8_MATMUL=0 turns them off)"
         if self.int8_matmul:
-            return ("8-bit integers (AVX2) for decode passes, float32 sgemm (OpenBLAS) for prompts "
-                    "(TS_INT8_MATMUL=0 turns the 8-bit products off)")
+            return ("8-bit integers (AVX2) for decode passes%s, float32 sgemm (OpenBLAS) for prompts "
+                    "(TS_INT8_MATMUL=0 turns the 8-bit products off)"
+                    % ("" if self.decode_batches_in_int8 else " of <= %d rows" % quantized.COMPILED_MAX_ROWS))
         if self.quantized_matmul:
             return "float32 sgemm (OpenBLAS), quantized codes for passes of <= %d rows" % quantized.COMPILED_MAX_ROWS
         return "float32 sgemm (OpenBLAS)"
@@ -119,16 +122,28 @@ class CPUBackend:
         gives (the 8-bit coding of a 4-token last chunk moved logits by ~1e-2), and a sequence's
         decode rows are computed the same way whatever its batch. 32 decode rows of SmolLM2 took
         about as long in 8-bit products as in sgemm with every weight in cache, but read a quarter
-        of the bytes, and attention and the element-wise work then run on both threads too."""
+        of the bytes, and attention and the element-wise work then run on both threads too: its
+        32-sequence batches ran 1.15x as fast (Zen 3 EPYC, paired in one process). A model whose
+        codes mostly take the sign trick keeps decode passes of more than 4 rows on sgemm
+        (decode_batches_in_int8)."""
         self._compiled_pass = self._compiled_for(num_tokens, decode)
 
     @property
     def _int8_everywhere(self) -> bool:
         return self.int8_matmul and int8_matmul.VNNI
 
+    @property
+    def decode_batches_in_int8(self) -> bool:
+        """Whether decode passes of any size take the 8-bit products (each row then computed the
+        same way whatever its batch). On AVX2 only where less than half of the code bytes take the
+        sign trick, slower than the unsigned runs: SmolLM2 (21 %, its Q8_0 output matrix) ran its
+        32-sequence batches 1.15x as fast as on sgemm, Gemma 3 (66 %) 0.93x (Zen 3 EPYC)."""
+        return self.int8_matmul and (int8_matmul.VNNI or 2 * self._signed_code_bytes < self._code_bytes)
+
     def _compiled_for(self, rows: int, decode: bool) -> bool:
-        few = rows <= quantized.COMPILED_MAX_ROWS and not self.int8_matmul
-        return self.quantized_matmul and (few or self._int8_everywhere or (self.int8_matmul and decode))
+        few = rows <= quantized.COMPILED_MAX_ROWS and (decode or not self.int8_matmul)
+        return self.quantized_matmul and (few or self._int8_everywhere
+                                          or (decode and self.decode_batches_in_int8))
 
     def _compiled(self, rows: int) -> bool:
         """The pass's choice; a call outside a pass decides by its own rows, as a prompt's."""
@@ -204,6 +219,8 @@ class CPUBackend:
                                        offset=place(int8.offset))
             if int8_matmul.VNNI:    # the 8-bit kernel takes every product: no float32 copy kept
                 return Linear(None, None, int8)
+            self._code_bytes += int8.codes.nbytes
+            self._signed_code_bytes += int8.codes.nbytes if int8.run == 0 else 0
             return Linear(np.ascontiguousarray(w.T, dtype=np.float32), None, int8)
         codes = quantized.quantize_parts(encoded, w) if encoded and self.quantized_matmul else None
         return Linear(np.ascontiguousarray(w.T, dtype=np.float32), codes)
