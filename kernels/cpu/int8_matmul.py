@@ -80,7 +80,7 @@ PREFETCH_LINES = 1 if VNNI else 2
 # Input rows a micro-kernel call. With VNNI's 32 registers, 3 rows x 2 levels x 2 halves of
 # accumulators fit (4 rows ran out). AVX2 has 16, and its 16-bit runs keep 8 accumulators a row:
 # 3 rows spilled them to the stack every step. One row at a time reads the tile's codes again
-# from L1 for each row, and was the faster: 32 rows of SmolLM2's products took 0.62-0.75 of the
+# from L1 for each row, and was the faster: 32 rows of SmolLM2's products took 0.62-0.83 of the
 # time (Zen 3 EPYC; the integer sums, and so the results, are the same).
 ROWS = 3 if VNNI else 1
 
