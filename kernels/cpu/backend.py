@@ -73,7 +73,7 @@ class CPUBackend:
         self._signed_code_bytes, self._code_bytes = 0, 0
         self._compiled_pass: bool | None = None     # set by begin_pass; None: decided per call
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
-        self._rope_rows_of: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._rope_rows_of: dict[tuple[float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # TS_GRAPH_REPLAY=0: every pass calls the kernels one at a time
         self.graph_replay = _env_flag("TS_GRAPH_REPLAY") and graph_replay.available()
         self._replays: dict[tuple[int, int, int, bool], graph_replay.Replay | None] = {}
@@ -287,14 +287,9 @@ class CPUBackend:
         return held[1], held[2]
 
     def rope(self, x: np.ndarray, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> np.ndarray:
-        if elementwise.available() and x.ndim == 3:
-            key = ("tables", float(base), n_dims)
-            held = self._rope_rows_of.get(key)       # every layer of a pass: no positions.max() again
-            if held is None or held[0] is not positions:
-                held = (positions, *self.rope_table(base, n_dims, int(positions.max(initial=0))))
-                self._rope_rows_of[key] = held
-            return elementwise.rope(x, positions, held[1], held[2], n_dims, neox)
         cos, sin = self._rope_rows(positions, base, n_dims)
+        if elementwise.available() and x.ndim == 3:
+            return elementwise.rope(x, cos[:, 0], sin[:, 0], n_dims, neox)
         if neox:
             half = n_dims // 2
             x0, x1 = x[..., :half], x[..., half:n_dims]

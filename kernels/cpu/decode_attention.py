@@ -54,7 +54,7 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, ta
 
 def half_queries(q: np.ndarray) -> np.ndarray:
     """q rounded to float16 values in a float32 copy, as the replayed passes round their queries
-    (round_to_half: numpy's astype(float16).astype(float32) took ~100 us for 32 decode rows of
+    (round_to_half: numpy's astype(float16).astype(float32) took 100-164 us for 32 decode rows of
     SmolLM2, twice a layer; the same values below float16's overflow)."""
     out = np.array(q, dtype=np.float32, order="C")
     round_to_half(out.reshape(-1))
