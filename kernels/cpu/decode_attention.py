@@ -209,6 +209,11 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) the kernel, so no request waits for it."""
     if available():
         cache = np.zeros((1, 1, 16, 8), np.float32)
+        half_queries(np.ones((1, 2, 8), np.float32))
+        for rows in (1, 2):     # K and V as models pass them: views of a fused projection ('C' for one row)
+            fused = np.zeros((rows, 24), np.float32)
+            store_half(cache, cache, fused[:, 8:16].reshape(rows, 1, 8), fused[:, 16:].reshape(rows, 1, 8),
+                       np.zeros(rows, np.int64))
         for parallel in (True, False):
             decode_attention(np.ones((1, 2, 8), np.float32), cache, cache, np.zeros((1, 1), np.int64),
                              np.ones(1, np.int64), 1.0, 0, parallel, True)

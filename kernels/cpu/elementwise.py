@@ -58,7 +58,9 @@ def _flat_rows(rows: np.ndarray) -> tuple[np.ndarray, int]:
     SmolLM2's rows, against 37 for contiguous rows); slices of a contiguous view do."""
     if rows.dtype != np.float32 or rows.strides[1] != 4 or rows.strides[0] % 4 or rows.flags.c_contiguous:
         rows = np.ascontiguousarray(rows, dtype=np.float32)
-        return rows.reshape(-1), rows.shape[1]
+        flat = rows.reshape(-1).view()
+        flat.flags.writeable = False        # read-only either way: one compiled signature, the one warm_up compiles
+        return flat, rows.shape[1]
     stride = rows.strides[0] // 4
     span = (rows.shape[0] - 1) * stride + rows.shape[1]
     return np.lib.stride_tricks.as_strided(rows, shape=(span,), strides=(4,), writeable=False), stride

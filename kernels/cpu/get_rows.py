@@ -64,4 +64,6 @@ if njit is not None:
 def warm_up() -> None:
     """Compile (or load from numba's cache) the decoder on a one-block table."""
     if njit is not None:
-        _decode(np.zeros(_BLOCK_BYTES, np.uint8), 1, np.zeros(1, np.int64), np.empty((1, _BLOCK), np.float32), F16)
+        raw = np.zeros(_BLOCK_BYTES, np.uint8)
+        raw.flags.writeable = False                 # as a GGUF file's memory map is
+        _decode(raw, 1, np.zeros(1, np.int64), np.empty((1, _BLOCK), np.float32), F16)

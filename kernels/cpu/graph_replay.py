@@ -226,7 +226,7 @@ class Replay:
         self.wait_prefetch = WAIT_PREFETCH
         table = p.embedding
         compiled = getattr(table, "compiled", False) and get_rows.supports(table.raw, table.ggml_type, table.shape)
-        self.embedding = table.raw if compiled else np.zeros(0, np.uint8)   # Q8_0 rows: decoded in the replay
+        self.embedding = _read_only(table.raw if compiled else np.zeros(0, np.uint8))   # Q8_0 rows: decoded in the replay
         self.result_shape = (rows, int(p.values[p.output, 4]))
         self.best = np.zeros((n, rows, 3), np.float64)      # each thread's (largest, where, NaN/inf) per row
         self.no_greedy = np.zeros(0, np.int64)
@@ -308,6 +308,14 @@ class Replay:
             self._rope_of = [t[0] for t in tables]
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view, as a GGUF file's memory map is: the region is compiled for one signature
+    (compiling it again for a writeable table took ~40 s on a Zen 3 EPYC, in the first request)."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def threading_layer() -> str:
     try:
         return numba.threading_layer()
@@ -333,6 +341,6 @@ def warm_up() -> None:
     sync[2] = spin_barrier.SPIN_LIMIT
     _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32), sync,
             *tables, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0,
-            np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(0, np.uint8), get_rows.F16, 1,
+            np.zeros(1, np.int64), np.zeros(1, np.int64), _read_only(np.zeros(0, np.uint8)), get_rows.F16, 1,
             np.zeros((1, 16), np.float32), 0, np.zeros(0, np.int64), np.zeros((n, 1, 3), np.float64),
             np.zeros((0, 0, 2), np.int64), np.zeros((0, 0), np.int64))
