@@ -79,10 +79,11 @@ PREFETCH_VECTORS = 128 if VNNI else 256
 PREFETCH_LINES = 1 if VNNI else 2
 # One input row on AVX2 (a decode step's products) asks for its codes non-temporally (prefetchnta,
 # both lines of a step) 2 KiB ahead instead: each code is read once, so it need not pass through
-# L2 and be written back to L3 on eviction. Decode steps alternated with the L2 hint in one process
-# (Zen 3 EPYC, 2026-12-03 night): SmolLM2 0.965 / 0.979 of the time (paired medians), Gemma 3
-# 0.993 / 0.974; one 151 MB product 1.11x as fast. 1 KiB ahead was no better, one line a step
-# 1.28x slower. Passes of more rows read each tile's codes again for every row, so keep the L2 hint.
+# L2. On a Zen 3 EPYC one 151 MB product ran 1.11x as fast (paired medians of 8 rounds); decode
+# steps, the two compiled side by side in one process in a random order each round, took 0.99 of
+# the time (SmolLM2: 594 rounds, Gemma 3: 396, within the ~1 % an A/A run moves). 4 or 8 KiB ahead
+# were no better, one line a step 1.28x slower. Passes of more rows read each tile's codes again
+# for every row, so they keep the L2 hint.
 STREAM_PREFETCH_VECTORS = 32
 NON_TEMPORAL, INTO_L2 = 0, 2        # llvm.prefetch locality: prefetchnta, prefetcht1
 # Input rows a micro-kernel call. With VNNI's 32 registers, 3 rows x 2 levels x 2 halves of
