@@ -2,10 +2,10 @@
 
 Prints, per model: prefill tok/s (one 512-token prompt, best of 3), single-sequence
 decode tok/s (64 tokens after a 16-token prompt, median of 3 sequences), decode tok/s
-with 32 sequences in one batch (32 steps after a warm-up, best of 2), the memory-bandwidth bounds on single-sequence decode
-(weight bytes one token reads, over the bandwidth measured here: in the form the decode
-step reads them, i.e. the integer codes of kernels/cpu/int8_matmul.py or quantized.py,
-and as float32), and peak resident memory. The host's bandwidth moves by 2x within minutes on
+with 32 sequences in one batch (32 steps after a warm-up, best of 2), the memory-bandwidth
+bounds on single-sequence decode (weight bytes one token reads, over the bandwidth measured
+here: in the form the decode step reads them, i.e. the integer codes of
+kernels/cpu/int8_matmul.py or quantized.py, and as float32), and peak resident memory. The host's bandwidth moves by 2x within minutes on
 shared cloud machines, so each 16-step segment of the decode sequences is paired with the
 bandwidth probed just before and after it (the higher of the two, by a child process that
 holds the 1 GiB matrix): *of bound* is the median of these paired ratios, *bound* the

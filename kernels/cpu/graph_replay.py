@@ -226,7 +226,8 @@ class Replay:
         self.wait_prefetch = WAIT_PREFETCH
         table = p.embedding
         compiled = getattr(table, "compiled", False) and get_rows.supports(table.raw, table.ggml_type, table.shape)
-        self.embedding = _read_only(table.raw if compiled else np.zeros(0, np.uint8))   # Q8_0 rows: decoded in the replay
+        # Q8_0 rows: decoded in the replay
+        self.embedding = _read_only(table.raw if compiled else np.zeros(0, np.uint8))
         self.result_shape = (rows, int(p.values[p.output, 4]))
         self.best = np.zeros((n, rows, 3), np.float64)      # each thread's (largest, where, NaN/inf) per row
         self.no_greedy = np.zeros(0, np.int64)
