@@ -1,17 +1,18 @@
 """Forward-pass benchmark of the in-process engine on the bundled models.
 
-Prints, per model: prefill tok/s (one 512-token prompt, best of 3), single-sequence
-decode tok/s (64 tokens after a 16-token prompt, median of 3 sequences), decode tok/s
-with 32 sequences in one batch (32 steps after a warm-up, best of 2), the memory-bandwidth
-bounds on single-sequence decode (weight bytes one token reads, over the bandwidth measured
-here: in the form the decode step reads them, i.e. the integer codes of
-kernels/cpu/int8_matmul.py or quantized.py, and as float32), and peak resident memory. The host's bandwidth moves by 2x within minutes on
-shared cloud machines, so each 16-step segment of the decode sequences is paired with the
-bandwidth probed just before and after it (the higher of the two, by a child process that
-holds the 1 GiB matrix): *of bound* is the median of these paired ratios, *bound* the
-median paired bound. Beside it, for reading the host's noise only, the same ratio with each
-segment's median step in place of its mean ("by median steps", JSON decode_of_bound_steady):
-the probe takes the best of its gemvs, a segment's mean keeps every pause of the host.
+Prints, per model: prefill tok/s (one 512-token prompt, best of 3), single-sequence decode
+tok/s (64 tokens after a 16-token prompt, median of 3 sequences), decode tok/s with 32
+sequences in one batch (32 steps after a warm-up, best of 2), the memory-bandwidth bounds on
+single-sequence decode (weight bytes one token reads, over the bandwidth measured here: in
+the form the decode step reads them, i.e. the integer codes of kernels/cpu/int8_matmul.py or
+quantized.py, and as float32), and peak resident memory. The host's bandwidth moves by 2x
+within minutes on shared cloud machines, so each 16-step segment of the decode sequences is
+paired with the bandwidth probed just before and after it (the higher of the two, by a child
+process that holds the 1 GiB matrix): *of bound* is the median of these paired ratios,
+*bound* the median paired bound. Beside it, for reading the host's noise only, the same
+ratio with each segment's median step in place of its mean ("by median steps", JSON
+decode_of_bound_steady): the probe takes the best of its gemvs, a segment's mean keeps every
+pause of the host.
 Each model runs in its own subprocess so
 peak memory is its own. With --peer-python (a venv that has llama-cpp-python) it runs
 loadtest/peer_llamacpp.py on the same GGUF files in the same run and prints the ratios.
@@ -202,7 +203,7 @@ def bench_model(name: str, decode_steps: int = 1) -> dict:
 
     def batch_rate() -> float:
         """32 sequences decoded together: an untimed warm-up of a few steps (a kernel compiled at first
-        use once took ~2 s of the 3 s timed, on a fresh checkout), then the best of BATCH_RUNS, as the
+        use once took ~2.4 s of the 5.4 s timed, on a fresh checkout), then the best of BATCH_RUNS, as the
         peer takes the best of its 2 runs."""
         decode_rate(BATCH, 2)
         return max(decode_rate(BATCH, BATCH_STEPS) for _ in range(BATCH_RUNS))

@@ -1,8 +1,8 @@
 """The backend's warm-up compiles every numba kernel with the argument types the forward passes
 give it, so no request waits for a compile: a kernel warmed with writeable arrays, called with a
-GGUF file's read-only map, is compiled a second time at first use (the replayed decode region:
-~40 s in the first request of a fresh checkout on a Zen 3 EPYC; decode attention's K/V store:
-~2 s in the first batch of decode rows)."""
+GGUF file's read-only map, is compiled a second time at first use (the replayed decode region,
+the Q8_0 row decoder and SwiGLU: a fresh checkout's first prompt and decode step took 45.9 s on a
+Zen 3 EPYC; decode attention's K/V store: its first 32-row batch ran at 190.7 tok/s, the next at 347.2)."""
 import json
 import subprocess
 import sys

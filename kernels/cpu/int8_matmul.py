@@ -423,11 +423,11 @@ if available():
         else:
             _quantize_row_range(x, group, qx, dx, sx, qsum, 0, rows)
         qbias = qsum * np.int32(bias)
-        full = rows // ROWS * ROWS
         if rows == 1:
             for t in prange(out.shape[1] // TILE):
                 _tile_stream1(codes, qx, dx, sx, qbias, scale, offset, out, t, 0, group, run)
             return
+        full = rows // ROWS * ROWS
         for t in prange(out.shape[1] // TILE):
             for r0 in range(0, full, ROWS):
                 _tile_rows_block(codes, qx, dx, sx, qbias, scale, offset, out, t, r0, group, run)
