@@ -596,3 +596,37 @@ def test_round_to_half_is_float16_rounding():
     rounded = values.copy()
     elementwise.round_to_half(rounded)
     np.testing.assert_array_equal(rounded, values.astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("visible_end,window", [(-1, 0), (40, 0), (40, 7), (23, 0), (23, 5)])
+def test_tile_softmax_equals_numpys_masked_softmax(visible_end, window):
+    """A prefill tile's softmax numerators and totals (kernels/cpu/attention.py), against numpy's
+    masked softmax: query r of t sees keys up to visible_end - t + r and, with a window, the last
+    `window` of them only; what it does not see is 0."""
+    from kernels.cpu import elementwise
+    if not elementwise.available():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(3)
+    m, t, n = 3, 9, 40
+    scores = (rng.standard_normal((m, t, n)) * 4).astype(np.float32)
+    expected = scores.astype(np.float64)
+    if visible_end >= 0:
+        key, last = np.arange(n)[None, :], (visible_end - t + np.arange(t))[:, None]
+        seen = (key <= last) & ((key > last - window) if window else True)
+        expected = np.where(seen[None], expected, -np.inf)
+    expected = np.exp(expected - expected.max(axis=-1, keepdims=True))
+    totals = np.empty((m, t), np.float32)
+    elementwise.tile_softmax(scores, visible_end, window, np.empty(n, np.int32), totals)
+    np.testing.assert_allclose(scores, expected, rtol=2e-6, atol=1e-30)
+    np.testing.assert_allclose(totals, expected.sum(axis=-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 17, 100])
+def test_row_max_is_the_maximum(n):
+    from kernels.cpu import elementwise
+    if not elementwise.available():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(n)
+    for _ in range(20):
+        row = rng.standard_normal(n).astype(np.float32)
+        assert elementwise.row_max(row) == row.max()

@@ -19,7 +19,7 @@ import functools
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import decode_attention
+from kernels.cpu import decode_attention, elementwise
 
 QUERY_TILE = 128
 MAX_KEY_RUNS = 4   # a block table in more runs of consecutive block ids than this is gathered into one copy
@@ -150,6 +150,7 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
     out = np.empty((n_kv, group, n_q, dim), np.float32)
     # causal queries are taken in tiles so a tile skips the keys after its last query
     tile = QUERY_TILE if causal else n_q
+    bits = np.empty(n_keys, np.int32)           # tile_softmax's scratch
     for a in range(0, n_q, tile):
         b = min(n_q, a + tile)
         t = b - a
@@ -166,15 +167,20 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
             if s0 < s1:
                 np.matmul(qt, keys[:, s0 - offset:s1 - offset].transpose(0, 2, 1), out=scores[:, :, s0 - k_lo:s1 - k_lo])
                 parts.append((s0 - k_lo, s1 - k_lo, values[:, s0 - offset:s1 - offset]))
-        if causal:
-            s4 = scores.reshape(n_kv, group, t, -1)
-            if window > 0:
-                s4 += _mask_bias(first_pos + a - base - k_lo, t, k_hi - k_lo, window)
-            else:   # every key before the tile's first query is visible to all of its queries
-                s4[..., -t:] += _mask_bias(0, t, t, 0)
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        total = scores.sum(axis=-1, keepdims=True)
+        if elementwise.available():
+            total = np.empty((n_kv, group * t, 1), np.float32)
+            elementwise.tile_softmax(scores.reshape(n_kv * group, t, -1), k_hi - k_lo if causal else -1,
+                                     window if causal else 0, bits, total.reshape(n_kv * group, t))
+        else:
+            if causal:
+                s4 = scores.reshape(n_kv, group, t, -1)
+                if window > 0:
+                    s4 += _mask_bias(first_pos + a - base - k_lo, t, k_hi - k_lo, window)
+                else:   # every key before the tile's first query is visible to all of its queries
+                    s4[..., -t:] += _mask_bias(0, t, t, 0)
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            total = scores.sum(axis=-1, keepdims=True)
         acc = None
         for c0, c1, values in parts:
             part = np.matmul(scores[:, :, c0:c1], values)

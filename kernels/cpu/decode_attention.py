@@ -26,7 +26,7 @@ import types
 
 import numpy as np
 
-from kernels.cpu.elementwise import exp_shifted, round_to_half
+from kernels.cpu.elementwise import exp_shifted, round_to_half, row_max
 
 try:
     from numba import njit, prange
@@ -63,10 +63,7 @@ def half_queries(q: np.ndarray) -> np.ndarray:
 
 def _softmax_numerators(row, bits):  # pragma: no cover - numba
     """row[:] = exp(row - max(row)) in place, returning the sum (the vectorized exp of elementwise.py)."""
-    best = row[0]
-    for i in range(1, row.shape[0]):
-        best = max(best, row[i])
-    exp_shifted(row, best, bits)
+    exp_shifted(row, row_max(row), bits)
     total = np.float32(0.0)
     for i in range(row.shape[0]):
         total += row[i]

@@ -108,6 +108,52 @@ def exp_shifted(values, shift, bits):  # pragma: no cover - compiled by numba
         values[i] *= powers[i]
 
 
+def row_max(row):  # pragma: no cover - compiled by numba
+    """max(row) (not empty, no NaN) in eight running maxima: a single one is a chain of dependent
+    compares that does not vectorize (0.62 ns an element on a Zen 4 EPYC, 0.19 here)."""
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = row[0]
+    n = row.shape[0]
+    j = 0
+    while j + 8 <= n:
+        b0 = row[j] if row[j] > b0 else b0
+        b1 = row[j + 1] if row[j + 1] > b1 else b1
+        b2 = row[j + 2] if row[j + 2] > b2 else b2
+        b3 = row[j + 3] if row[j + 3] > b3 else b3
+        b4 = row[j + 4] if row[j + 4] > b4 else b4
+        b5 = row[j + 5] if row[j + 5] > b5 else b5
+        b6 = row[j + 6] if row[j + 6] > b6 else b6
+        b7 = row[j + 7] if row[j + 7] > b7 else b7
+        j += 8
+    b0, b2, b4, b6 = max(b0, b1), max(b2, b3), max(b4, b5), max(b6, b7)
+    best = max(max(b0, b2), max(b4, b6))
+    for j in range(j, n):
+        best = max(best, row[j])
+    return best
+
+
+def tile_softmax(scores, visible_end, window, bits, totals):  # pragma: no cover - compiled by numba
+    """Each row of scores [m, t, n] (m heads of t queries over n keys) turned in place into the
+    numerators of its softmax, totals[h, r] their sum: query r sees the keys before
+    visible_end - t + r + 1 (a causal tile's last query sees every key: visible_end = n; no limit
+    if visible_end < 0) and, with window > 0, none before that end minus the window; the keys it
+    does not see become 0. One pass a row instead of numpy's mask, max, exp and sum over the
+    whole tile."""
+    m, t, n = scores.shape
+    for h in range(m):
+        for r in range(t):
+            row = scores[h, r]
+            hi = n if visible_end < 0 else visible_end - t + r + 1
+            lo = max(0, hi - window) if window > 0 else 0
+            seen = row[lo:hi]       # indexed from 0: loops from a variable start do not vectorize
+            exp_shifted(seen, row_max(seen), bits)
+            total = np.float32(0.0)
+            for j in range(seen.shape[0]):
+                total += seen[j]
+            row[:lo] = np.float32(0.0)
+            row[hi:] = np.float32(0.0)
+            totals[h, r] = total
+
+
 def round_to_half(values):  # pragma: no cover - compiled by numba
     """values[:] (contiguous float32) rounded in place to the nearest float16 value, ties to even,
     as F16C's conversion rounds (finite values below float16's 65520 overflow)."""
@@ -197,6 +243,8 @@ if available():
     swiglu_row = njit(fastmath=_EXACT_FASTMATH, error_model="numpy", cache=True, nogil=True)(swiglu_row)
     gelu_tanh_gate_row = njit(fastmath=_EXACT_FASTMATH, error_model="numpy", cache=True, nogil=True)(gelu_tanh_gate_row)
     rms_norm_row = njit(fastmath=True, cache=True, nogil=True)(rms_norm_row)
+    row_max = njit(fastmath=True, cache=True, nogil=True)(row_max)
+    tile_softmax = njit(fastmath=True, cache=True, nogil=True)(tile_softmax)
 _rms_norm_kernel = njit(cache=True, nogil=True)(_rms_norm_rows) if available() else None
 _swiglu_kernel = njit(cache=True, nogil=True)(_swiglu_rows) if available() else None
 _rope_kernel = njit(cache=True, nogil=True)(_rope_rows) if available() else None
@@ -229,3 +277,5 @@ def warm_up() -> None:
             rope(both[:, :16].reshape(1, 2, 8), angles, angles, 8, neox)
         gelu_tanh_gate(both[:, :8], both[:, 8:])
         exp_sums(both, np.zeros(1))
+        tile_scores = np.ones((1, 2, 4), np.float32)
+        tile_softmax(tile_scores, 4, 0, np.empty(4, np.int32), np.empty((1, 2), np.float32))
