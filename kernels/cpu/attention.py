@@ -9,8 +9,9 @@ pass); without numba they are computed together over padded, gathered
 contexts in numpy. Multi-token rows (prefill chunks, diffusion canvases) go
 sequence by sequence through numpy/OpenBLAS, reading each run of consecutive
 block ids as a view of the cache (a prompt's blocks are mostly handed out in
-order) and gathering only fragmented tables. Sliding window follows llama.cpp:
-a query at p sees keys k with p - window < k <= p.
+order) and gathering only fragmented tables; each query tile's masked softmax is
+one compiled call (elementwise.tile_softmax) between OpenBLAS's two products.
+Sliding window follows llama.cpp: a query at p sees keys k with p - window < k <= p.
 """
 from __future__ import annotations
 

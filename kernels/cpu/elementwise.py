@@ -110,7 +110,8 @@ def exp_shifted(values, shift, bits):  # pragma: no cover - compiled by numba
 
 def row_max(row):  # pragma: no cover - compiled by numba
     """max(row) (not empty, no NaN) in eight running maxima: a single one is a chain of dependent
-    compares that does not vectorize (0.62 ns an element on a Zen 4 EPYC, 0.19 here)."""
+    compares that does not vectorize (on a Zen 4 EPYC with AVX2, 0.62 ns an element that way,
+    0.19 this way)."""
     b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = row[0]
     n = row.shape[0]
     j = 0
@@ -136,8 +137,10 @@ def tile_softmax(scores, visible_end, window, bits, totals):  # pragma: no cover
     numerators of its softmax, totals[h, r] their sum: query r sees the keys before
     visible_end - t + r + 1 (a causal tile's last query sees every key: visible_end = n; no limit
     if visible_end < 0) and, with window > 0, none before that end minus the window; the keys it
-    does not see become 0. One pass a row instead of numpy's mask, max, exp and sum over the
-    whole tile."""
+    does not see become 0. One call instead of numpy's mask, max, exp and sum over the whole
+    tile: 0.85-0.9 ns an element against ~2.7 (SmolLM2's 512-token prefill: 3 KV heads x 384
+    rows x up to 512 keys a tile, 30 layers; in-process A/B on a Zen 4 EPYC with AVX2, whole
+    prefills 0.94-0.95 of the time, Gemma 3 0.98)."""
     m, t, n = scores.shape
     for h in range(m):
         for r in range(t):
