@@ -351,6 +351,14 @@ def test_sliding_window_multi_token(ops, window):
     Paged(ops, seqs, n_heads=4, n_kv=2, dim=8, block_size=4, seed=10).check(window=window)
 
 
+@pytest.mark.parametrize("window", [0, 50, 200])
+def test_prompts_of_several_query_tiles(ops, window):
+    """Prompts longer than attention.QUERY_TILE (a tile's keys cut at its last query, windows that
+    start past a tile's first keys), one after a cached prefix, through shuffled block tables."""
+    seqs = [(300, 300), (420, 170)]
+    Paged(ops, seqs, n_heads=6, n_kv=2, dim=8, block_size=16, seed=13).check(window=window)
+
+
 @pytest.mark.parametrize("window", [2, 4, 7])
 def test_sliding_window_mixed_batch(ops, window):
     seqs = [(20, 1), (26, 6), (3, 1), (9, 9), (15, 1)]
