@@ -26,7 +26,7 @@ import types
 
 import numpy as np
 
-from kernels.cpu.elementwise import exp_shifted, round_to_half, row_max
+from kernels.cpu.elementwise import round_to_half, softmax_numerators
 
 try:
     from numba import njit, prange
@@ -59,15 +59,6 @@ def half_queries(q: np.ndarray) -> np.ndarray:
     out = np.array(q, dtype=np.float32, order="C")
     round_to_half(out.reshape(-1))
     return out
-
-
-def _softmax_numerators(row, bits):  # pragma: no cover - numba
-    """row[:] = exp(row - max(row)) in place, returning the sum (the vectorized exp of elementwise.py)."""
-    exp_shifted(row, row_max(row), bits)
-    total = np.float32(0.0)
-    for i in range(row.shape[0]):
-        total += row[i]
-    return total
 
 
 def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g1, by_four):  # pragma: no cover
@@ -120,7 +111,7 @@ def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g
     totals = np.empty(group, np.float32)
     bits = np.empty(span, np.int32)
     for g in range(group):
-        totals[g] = _softmax_numerators(scores[g], bits)
+        totals[g] = softmax_numerators(scores[g], bits)
         if half:
             inv_total = np.float32(1.0) / totals[g]
             for j in range(span):
@@ -191,7 +182,6 @@ def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out
 if available():
     store_half_row = njit(inline="always")(store_half_row)
     _store_rows = njit(cache=True, nogil=True)(_store_rows)
-    _softmax_numerators = njit(fastmath=True, cache=True, nogil=True)(_softmax_numerators)
     attend = njit(fastmath=True, cache=True, nogil=True)(attend)
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None
 # the same code under another name: numba's on-disk cache is keyed by the function's qualified

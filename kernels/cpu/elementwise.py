@@ -132,13 +132,23 @@ def row_max(row):  # pragma: no cover - compiled by numba
     return best
 
 
+def softmax_numerators(row, bits):  # pragma: no cover - compiled by numba
+    """row[:] = exp(row - max(row)) in place, returning their float32 sum: the softmax of decode
+    attention's rows and of a prompt tile's, `bits` exp_shifted's scratch."""
+    exp_shifted(row, row_max(row), bits)
+    total = np.float32(0.0)
+    for i in range(row.shape[0]):
+        total += row[i]
+    return total
+
+
 def tile_softmax(scores, visible_end, window, bits, totals):  # pragma: no cover - compiled by numba
     """Each row of scores [m, t, n] (m heads of t queries over n keys) turned in place into the
     numerators of its softmax, totals[h, r] their sum: query r sees the keys before
     visible_end - t + r + 1 (a causal tile's last query sees every key: visible_end = n; no limit
     if visible_end < 0) and, with window > 0, none before that end minus the window; the keys it
     does not see become 0. One call instead of numpy's mask, max, exp and sum over the whole
-    tile: 0.85-0.9 ns an element against 2.4-2.7 (SmolLM2's 512-token prefill: 3 KV heads x 384
+    tile: 0.69-0.74 ns an element against 2.4-2.7 (SmolLM2's 512-token prefill: 3 KV heads x 384
     rows x up to 512 keys a tile, 30 layers; in-process A/B on a Zen 4 EPYC with AVX2, whole
     prefills 0.94-0.95 of the time, Gemma 3 0.98)."""
     m, t, n = scores.shape
@@ -147,14 +157,10 @@ def tile_softmax(scores, visible_end, window, bits, totals):  # pragma: no cover
             row = scores[h, r]
             hi = n if visible_end < 0 else visible_end - t + r + 1
             lo = max(0, hi - window) if window > 0 else 0
-            seen = row[lo:hi]       # indexed from 0: loops from a variable start do not vectorize
-            exp_shifted(seen, row_max(seen), bits)
-            total = np.float32(0.0)
-            for j in range(seen.shape[0]):
-                total += seen[j]
+            # a slice indexed from 0: loops from a variable start do not vectorize
+            totals[h, r] = softmax_numerators(row[lo:hi], bits)
             row[:lo] = np.float32(0.0)
             row[hi:] = np.float32(0.0)
-            totals[h, r] = total
 
 
 def round_to_half(values):  # pragma: no cover - compiled by numba
@@ -247,6 +253,7 @@ if available():
     gelu_tanh_gate_row = njit(fastmath=_EXACT_FASTMATH, error_model="numpy", cache=True, nogil=True)(gelu_tanh_gate_row)
     rms_norm_row = njit(fastmath=True, cache=True, nogil=True)(rms_norm_row)
     row_max = njit(fastmath=True, cache=True, nogil=True)(row_max)
+    softmax_numerators = njit(fastmath=True, cache=True, nogil=True)(softmax_numerators)
     tile_softmax = njit(fastmath=True, cache=True, nogil=True)(tile_softmax)
 _rms_norm_kernel = njit(cache=True, nogil=True)(_rms_norm_rows) if available() else None
 _swiglu_kernel = njit(cache=True, nogil=True)(_swiglu_rows) if available() else None
