@@ -35,11 +35,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
-from kernels.cpu import byte_dots, input_coding, quantized
+from kernels.cpu import byte_dots, input_coding, isa, quantized
 from shared.dequant import dequantize
 
 try:
-    import llvmlite.binding as _llvm
     from llvmlite import ir
     from numba import njit, prange, types
     from numba.core import cgutils
@@ -53,18 +52,11 @@ BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q
 # Passes of this many rows and more code their inputs in parallel; fewer (decode, the logits of a
 # few rows) on the calling thread, without a second parallel region a product.
 PARALLEL_CODING_ROWS = 8
-
-
-def _has(*features: str) -> bool:
-    host = _llvm.get_host_cpu_features()
-    return all(host.get(f, False) for f in features)
-
-
-VNNI = njit is not None and _has("avx512f", "avx512bw", "avx512vnni")
+VNNI = njit is not None and isa.has("avx512f", "avx512bw", "avx512vnni")  # TS_MAX_CPU_ISA=avx2: False
 # Without VNNI (AVX2 CPUs: Zen 2/3, older Xeons) each 4-byte dot product is llama.cpp's AVX2
 # sequence: vpmaddubsw needs an unsigned operand and saturates at 16 bits, so the codes are kept
 # signed (no bias) and multiplied as |code| times q with the code's sign (128 * 127 * 2 < 2**15).
-AVX2 = njit is not None and not VNNI and _has("avx2", "fma")
+AVX2 = njit is not None and not VNNI and isa.has("avx2", "fma")
 # The codes are prefetched into L2 PREFETCH_VECTORS 64-byte vectors ahead of the loads: with
 # VNNI every other line (8 KiB ahead), on AVX2 both lines of each step (16 KiB ahead). On a Xeon
 # the hardware prefetcher alone kept one-row products of every SmolLM2 matrix at ~22-24 GB/s on

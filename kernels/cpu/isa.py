@@ -1,0 +1,55 @@
+"""The instruction sets the CPU kernels may use: all the host has, or, with TS_MAX_CPU_ISA=avx2, none
+of AVX-512 (as oneDNN's ONEDNN_MAX_CPU_ISA caps its own).
+
+The cap lets one machine with AVX-512 VNNI test and time the kernels that AVX2-only CPUs (Zen 2/3,
+VMs that hide AVX-512) run: int8_matmul then builds its AVX2 tiles, and numba compiles everything
+for the host's CPU without its AVX-512 features, so its own loops are as wide as on such a CPU and
+its cache keeps the two builds apart. It must be set before numba compiles anything in the process
+(this module runs when kernels.cpu is first imported). OpenBLAS picks its kernels when numpy loads:
+OPENBLAS_CORETYPE=Haswell makes prompts' sgemm match as well.
+"""
+from __future__ import annotations
+
+import os
+
+MAX_CPU_ISA_ENV = "TS_MAX_CPU_ISA"
+MAX_CPU_ISAS = ("avx512", "avx2")
+_AVX512_PREFIXES = ("avx512", "avx10", "amx", "evex512")
+
+
+def max_cpu_isa() -> str:
+    value = os.environ.get(MAX_CPU_ISA_ENV, "").strip().lower() or "avx512"
+    if value not in MAX_CPU_ISAS:
+        raise ValueError(f"{MAX_CPU_ISA_ENV}={value!r} is not one of {', '.join(MAX_CPU_ISAS)}: unset it to use "
+                         f"every instruction set the CPU has, or set it to avx2 to leave AVX-512 out")
+    return value
+
+
+def host_features() -> dict[str, bool]:
+    """The CPU features llvmlite reports for this host, less AVX-512's under the cap."""
+    import llvmlite.binding as llvm
+    features = dict(llvm.get_host_cpu_features())
+    if max_cpu_isa() == "avx2":
+        for name in features:
+            if name.startswith(_AVX512_PREFIXES):
+                features[name] = False
+    return features
+
+
+def has(*names: str) -> bool:
+    features = host_features()
+    return all(features.get(name, False) for name in names)
+
+
+def _cap_numba() -> None:
+    if max_cpu_isa() == "avx512":
+        return
+    try:
+        from numba.core import config
+    except ImportError:  # pragma: no cover - exercised only where numba is missing
+        return
+    if config.CPU_FEATURES is None:
+        config.CPU_FEATURES = ",".join(("+" if on else "-") + name for name, on in sorted(host_features().items()))
+
+
+_cap_numba()
