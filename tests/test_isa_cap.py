@@ -46,3 +46,22 @@ def test_an_unknown_cap_is_a_clear_error():
     result = probe("sse9")
     assert result.returncode != 0
     assert "TS_MAX_CPU_ISA='sse9' is not one of avx512, avx2" in result.stderr
+
+
+def test_the_cpu_vendor_comes_from_cpuinfo_or_else_llvms_cpu_name():
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
+    assert isa.vendor_from(intel, "znver4") == "intel"          # cpuinfo wins over the CPU name
+    assert isa.vendor_from("vendor_id : AuthenticAMD\n", "generic") == "amd"
+    assert isa.vendor_from("vendor_id\t: HygonGenuine\n", "") == "amd"
+    assert isa.vendor_from("vendor_id\t: CentaurHauls\n", "") == "other"
+    assert isa.vendor_from("", "znver3") == "amd"                  # no /proc/cpuinfo: LLVM's name
+    assert isa.vendor_from("", "sapphirerapids") == "other"
+    assert isa.vendor() in ("amd", "intel", "other")
+
+
+def test_only_vnni_on_amd_prefetches_one_line_in_two():
+    from kernels.cpu import int8_matmul
+    if not int8_matmul.available():
+        pytest.skip("no 8-bit products on this CPU")
+    one_in_two = int8_matmul.VNNI and isa.vendor() == "amd"
+    assert (int8_matmul.PREFETCH_VECTORS, int8_matmul.PREFETCH_LINES) == ((128, 1) if one_in_two else (256, 2))

@@ -14,8 +14,9 @@ The operations themselves, compiled inline into the region, are in
 kernels/cpu/replay_ops.py (numba caches the region by this file alone: after editing
 that one, or what it compiles in from the others (int8_matmul's tile kernels and ROWS,
 elementwise's rows, decode attention's task), delete kernels/cpu/__pycache__'s .nbi/.nbc
-files; a change to this file, as on 2026-12-03 when AVX2's ROWS went from 3 to 1, makes
-every checkout compile the region again).
+files; a change to this file, as on 2026-12-03 when AVX2's ROWS went from 3 to 1 and on
+2026-12-05 when AVX2's one-row products left the non-temporal hint and VNNI's on Intel took
+both lines of a step, makes every checkout compile the region again).
 
 A buffer is written once per replay (programs are small: 1.2 MB a row for
 SmolLM2), so no thread can overwrite what the other still reads.

@@ -57,27 +57,28 @@ VNNI = njit is not None and isa.has("avx512f", "avx512bw", "avx512vnni")  # TS_M
 # sequence: vpmaddubsw needs an unsigned operand and saturates at 16 bits, so the codes are kept
 # signed (no bias) and multiplied as |code| times q with the code's sign (128 * 127 * 2 < 2**15).
 AVX2 = njit is not None and not VNNI and isa.has("avx2", "fma")
-# The codes are prefetched into L2 PREFETCH_VECTORS 64-byte vectors ahead of the loads: with
-# VNNI every other line (8 KiB ahead), on AVX2 both lines of each step (16 KiB ahead). On a Xeon
-# the hardware prefetcher alone kept one-row products of every SmolLM2 matrix at ~22-24 GB/s on
-# 2 cores whose OpenBLAS sgemv streams ~29; 8 KiB ahead, every other line, gave 25-28 (Intel's
-# L2 fetches a line's pair itself). On a Zen 3 EPYC (AVX2), whose L2 did not, one thread over a
-# 210 MB matrix read 10.8 GB/s so (sgemv: 21); both lines, 16 KiB ahead: 19-27 (2 threads 25-40,
-# as the host's memory moved); 8, 24 or 32 KiB were no better, nor was prefetching the scales
-# and offsets as well. On a Zen 4 EPYC (VNNI) both lines 16 KiB ahead were the slower: SmolLM2
-# decode products 31.2 GB/s against 32.5 every other line 8 KiB ahead, steps 6.62 against 6.24 ms
-# (three rounds of make profile-decode, each variant in its own process; docs/BENCHMARKS.md).
-PREFETCH_VECTORS = 128 if VNNI else 256
-PREFETCH_LINES = 1 if VNNI else 2
-# One input row on AVX2 (a decode step's products) asks for its codes non-temporally (prefetchnta,
-# both lines of a step) 2 KiB ahead instead: each code is read once, so it need not pass through
-# L2. On a Zen 3 EPYC one 151 MB product ran 1.11x as fast (paired medians of 8 rounds); decode
-# steps, the two compiled side by side in one process in a random order each round, took 0.99 of
-# the time (SmolLM2: 594 rounds, Gemma 3: 396, within the ~1 % an A/A run moves). 4 or 8 KiB ahead
-# were no better, one line a step 1.28x slower. Passes of more rows read each tile's codes again
-# for every row, so they keep the L2 hint.
-STREAM_PREFETCH_VECTORS = 32
-NON_TEMPORAL, INTO_L2 = 0, 2        # llvm.prefetch locality: prefetchnta, prefetcht1
+# The codes are prefetched into L2 PREFETCH_VECTORS 64-byte vectors ahead of the loads: both lines
+# of each step 16 KiB ahead, except VNNI on AMD: every other line, 8 KiB ahead. On a Xeon the
+# hardware prefetcher alone kept one-row products of every SmolLM2 matrix at ~22-24 GB/s on 2
+# cores whose OpenBLAS sgemv streams ~29; 8 KiB ahead, every other line, gave 25-28. On a Zen 3
+# EPYC (AVX2) one thread over a 210 MB matrix read 10.8 GB/s with no hint (sgemv: 21); both lines,
+# 16 KiB ahead: 19-27 (2 threads 25-40, as the host's memory moved); 8, 24 or 32 KiB were no better,
+# nor was prefetching the scales and offsets as well. On a Zen 4 EPYC (VNNI) both lines 16 KiB
+# ahead were the slower: SmolLM2 decode products 31.2 GB/s against 32.5 every other line 8 KiB
+# ahead, steps 6.62 against 6.24 ms (three rounds of make profile-decode, each variant in its own
+# process). On an Intel Xeon (2026-12-05, VNNI) it was the other way: decode steps with both lines
+# took 0.91 of the time of every other line (SmolLM2 and Gemma 3, in-process A/B in random order,
+# 10-12 rounds, A/A 0.99-1.00), and 8 to 32 KiB ahead were all within 1 % (docs/BENCHMARKS.md).
+ONE_LINE_IN_TWO = VNNI and isa.vendor() == "amd"
+PREFETCH_VECTORS = 128 if ONE_LINE_IN_TWO else 256
+PREFETCH_LINES = 1 if ONE_LINE_IN_TWO else 2
+# One input row on AVX2 (a decode step's products) once asked for its codes non-temporally instead
+# (prefetchnta, both lines of a step, 2 KiB ahead: each code is read once). On a Zen 3 EPYC one
+# 151 MB product ran 1.11x as fast, but decode steps only 0.99 of the time (in-process A/B, within
+# what an A/A run moves); on an Intel Xeon capped to AVX2 (TS_MAX_CPU_ISA=avx2) SmolLM2's decode
+# steps took 1.81x the time of the L2 hint (12.4 against 6.8 ms, 12 rounds in random order), and
+# on a Zen 4 so capped the L2 hint was as fast. One row takes the L2 hint everywhere now.
+INTO_L2 = 2                          # llvm.prefetch locality: prefetcht1
 # Input rows a micro-kernel call. With VNNI's 32 registers, 3 rows x 2 levels x 2 halves of
 # accumulators fit (4 rows ran out). AVX2 has 16, and its 16-bit runs keep 8 accumulators a row:
 # 3 rows spilled them to the stack every step. One row at a time reads the tile's codes again
@@ -221,14 +222,12 @@ if available():
 
     _ptr, _splat = input_coding.data_pointer, input_coding.splat
 
-    def _tile_kernel(n_rows: int, levels: int, n_tiles: int = 1, stream: bool = False):
+    def _tile_kernel(n_rows: int, levels: int, n_tiles: int = 1):
         """An intrinsic computing out[r0 + r, t * TILE + j] for r < n_rows and the tile's 32 outputs j,
         from `levels` 8-bit codings of the input (qx, dx, qbias: [levels, rows, ...]). With n_tiles=2
         it takes a second tile u and reads both at once, step by step: two streams of codes keep more
         lines in flight than one (on a Xeon whose cores each read ~10 GB/s, one stream of 64-byte
-        loads reached ~0.9 of two); each tile's sums are taken in the same order as alone. With
-        stream, its codes are asked for non-temporally, STREAM_PREFETCH_VECTORS ahead: codes read once."""
-        ahead_vectors, locality = (STREAM_PREFETCH_VECTORS, NON_TEMPORAL) if stream else (PREFETCH_VECTORS, INTO_L2)
+        loads reached ~0.9 of two); each tile's sums are taken in the same order as alone."""
 
         def codegen_for(tile_args):
             def codegen(context, builder, signature, args):
@@ -301,8 +300,8 @@ if available():
                         w = [builder.load(builder.gep(codes_p, [builder.add(w_at, i64(h))]), align=4)
                              for h in range(2)]
                         for h in range(PREFETCH_LINES):     # see PREFETCH_VECTORS
-                            ahead = builder.gep(codes_p, [builder.add(w_at, i64(ahead_vectors + h))])
-                            builder.call(prefetch, [builder.bitcast(ahead, i8p), i32(0), i32(locality), i32(1)])
+                            ahead = builder.gep(codes_p, [builder.add(w_at, i64(PREFETCH_VECTORS + h))])
+                            builder.call(prefetch, [builder.bitcast(ahead, i8p), i32(0), i32(INTO_L2), i32(1)])
                         return w
 
                     def sums():
@@ -398,7 +397,6 @@ if available():
     _tile_rows_block = _tile_kernel(ROWS, LEVELS)
     _tile_rows1 = _tile_kernel(1, LEVELS)
     _tile_pair1 = _tile_kernel(1, LEVELS, 2)     # two tiles of one row at once
-    _tile_stream1 = _tile_kernel(1, LEVELS, stream=AVX2)     # one row alone (AVX2: codes read once)
     _quantize_row_range = input_coding.quantize_row_range
 
     @njit(parallel=True, nogil=True, cache=True)
@@ -415,10 +413,6 @@ if available():
         else:
             _quantize_row_range(x, group, qx, dx, sx, qsum, 0, rows)
         qbias = qsum * np.int32(bias)
-        if rows == 1:
-            for t in prange(out.shape[1] // TILE):
-                _tile_stream1(codes, qx, dx, sx, qbias, scale, offset, out, t, 0, group, run)
-            return
         full = rows // ROWS * ROWS
         for t in prange(out.shape[1] // TILE):
             for r0 in range(0, full, ROWS):

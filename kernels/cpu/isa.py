@@ -41,6 +41,31 @@ def has(*names: str) -> bool:
     return all(features.get(name, False) for name in names)
 
 
+_AMD_CPU_NAMES = ("znver", "bdver", "btver", "amdfam")
+
+
+def vendor_from(cpuinfo: str, llvm_cpu_name: str) -> str:
+    """"amd", "intel" or "other", from /proc/cpuinfo's vendor_id where there is one, else from the
+    CPU name LLVM gives the host (znver4, ...) where there is none."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            value = value.strip()
+            return {"AuthenticAMD": "amd", "HygonGenuine": "amd", "GenuineIntel": "intel"}.get(value, "other")
+    return "amd" if llvm_cpu_name.startswith(_AMD_CPU_NAMES) else "other"
+
+
+def vendor() -> str:
+    """The host CPU's maker: the 8-bit products prefetch their codes differently on AMD and Intel."""
+    import llvmlite.binding as llvm
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpuinfo = f.read(65536)
+    except OSError:
+        cpuinfo = ""
+    return vendor_from(cpuinfo, llvm.get_host_cpu_name())
+
+
 def _cap_numba() -> None:
     if max_cpu_isa() == "avx512":
         return

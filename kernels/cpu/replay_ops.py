@@ -33,7 +33,7 @@ CODES, SCALE_AT, OFFSET_AT, BIAS, GROUP, N_TILES, IN_FEATURES, RUN = 0, 2, 4, 6,
 
 if njit is not None and int8_matmul.available():
     _tile_block, _tile_one = int8_matmul._tile_rows_block, int8_matmul._tile_rows1
-    _tile_pair, _tile_stream = int8_matmul._tile_pair1, int8_matmul._tile_stream1
+    _tile_pair = int8_matmul._tile_pair1
     # Two tiles read at once only with VNNI: AVX2's kernel holds twice the accumulators (16-bit runs
     # beside the 32-bit sums), and paired it spills them: one thread over a 512x576 matrix in cache
     # multiplied 43-48 GB/s of 4-bit codes alone, 40-41 paired (Q8_0's signed codes: 31-33 and 27)
@@ -108,9 +108,6 @@ if njit is not None and int8_matmul.available():
                     _tile_pair(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, first + j, first + pairs + j,
                                0, group, run)
                 for t in range(first + 2 * pairs, first + count):
-                    if rows == 1:
-                        _tile_stream(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, 0, group, run)
-                        continue
                     for r0 in range(0, full, _ROWS):
                         _tile_block(w_codes, qx, dx, sx, qbias, w_scale, w_offset, out, t, r0, group, run)
                     for r0 in range(full, rows):
