@@ -68,7 +68,8 @@ AVX2 = njit is not None and not VNNI and isa.has("avx2", "fma")
 # ahead, steps 6.62 against 6.24 ms (three rounds of make profile-decode, each variant in its own
 # process). On an Intel Xeon (2026-12-05, VNNI) it was the other way: decode steps with both lines
 # took 0.91 of the time of every other line (SmolLM2 and Gemma 3, in-process A/B in random order,
-# 10-12 rounds, A/A 0.99-1.00), and 8 to 32 KiB ahead were all within 1 % (docs/BENCHMARKS.md).
+# 10-12 rounds, A/A 0.98-1.00); 8 to 24 KiB ahead were within 1 %, 32 KiB 3 % slower
+# (docs/BENCHMARKS.md).
 ONE_LINE_IN_TWO = VNNI and isa.vendor() == "amd"
 PREFETCH_VECTORS = 128 if ONE_LINE_IN_TWO else 256
 PREFETCH_LINES = 1 if ONE_LINE_IN_TWO else 2
