@@ -30,6 +30,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from scheduler.config import SchedulerConfig  # noqa: E402
+from shared.options import options_of, parse_with  # noqa: E402
 
 MODEL = "smollm2-135m"
 
@@ -75,11 +77,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--long", type=int, default=4000, help="tokens of the arriving prompt")
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
-    ap.add_argument("--max-prefill-tokens-while-decoding", type=int, default=48,
-                    help="the scheduler's limit (tensorserve serve's default 64); 0: none, the whole budget")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args, options = parse_with(ap, options_of(SchedulerConfig, only=("max_num_batched_tokens",
+                                                                      "max_prefill_tokens_while_decoding")))
 
     from tensorserve.local import LocalEngine
     local = LocalEngine(MODEL, kv_memory=1024 * 2**20)
@@ -87,12 +87,12 @@ def main() -> int:
              "evening light while the town sleeps ").split()
     text = " ".join(words[i % len(words)] + str(i % 97) for i in range(args.long))
     long_prompt = local.tokenizer.encode(text)[:args.long]
-    limit = args.max_prefill_tokens_while_decoding or None
-    chunked = run(local, long_prompt, args.streams, args.max_num_batched_tokens, 0, limit)
-    baseline = run(local, None, args.streams, args.max_num_batched_tokens, chunked["steps"])
+    limit = options['max_prefill_tokens_while_decoding']
+    chunked = run(local, long_prompt, args.streams, options['max_num_batched_tokens'], 0, limit)
+    baseline = run(local, None, args.streams, options['max_num_batched_tokens'], chunked["steps"])
     unchunked = run(local, long_prompt, args.streams, len(long_prompt) + args.streams, 0)
     out = {"model": MODEL, "long_prompt_tokens": len(long_prompt), "streams": args.streams,
-           "max_num_batched_tokens": args.max_num_batched_tokens,
+           "max_num_batched_tokens": options['max_num_batched_tokens'],
            "max_prefill_tokens_while_decoding": limit,
            "baseline": baseline, "chunked": chunked, "unchunked": unchunked,
            "machine": f"{platform.system()} {platform.machine()}, {__import__('os').cpu_count()} CPUs",

@@ -24,6 +24,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from shared.options import options_of, parse_with  # noqa: E402
+from worker.config import WorkerConfig  # noqa: E402
 
 
 def cycles_per_us() -> float:
@@ -86,18 +88,17 @@ def phases(stamps: np.ndarray, labels: list[str], meets: list[bool]) -> list[dic
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a bundled model name or a path to a GGUF file")
     ap.add_argument("--sequences", type=int, default=4, help="greedy sequences decoded one after another")
     ap.add_argument("--tokens", type=int, default=80, help="decode steps per sequence")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
-    args = ap.parse_args()
+    args, options = parse_with(ap, options_of(WorkerConfig, only=("model", "model_cache")))
 
     from kernels.cpu import graph_replay
     from scheduler.sequence import Sequence
     from shared.sampling_params import SamplingParams
     from tensorserve.local import LocalEngine
 
-    engine = LocalEngine(args.model, load_tokenizer=False, max_num_batched_tokens=512, max_num_seqs=1)
+    engine = LocalEngine(options["model"], load_tokenizer=False, max_num_batched_tokens=512, max_num_seqs=1)
     runner = engine.runner
     rng = np.random.default_rng(0)
     vocab = engine.config.vocab_size
@@ -122,7 +123,7 @@ def main() -> int:
         if n == 1:
             replays = [r for r in getattr(runner.ops, "_replays", {}).values() if r is not None and r.program.rows == 1]
             if not replays:
-                print(f"{args.model}: decode steps are not replayed on this machine (no 8-bit products, or "
+                print(f"{options['model']}: decode steps are not replayed on this machine (no 8-bit products, or "
                       "the program could not be captured): nothing to profile", file=sys.stderr)
                 return 1
             replay = replays[0]
@@ -140,7 +141,7 @@ def main() -> int:
     per_step = [phases(s, labels, meetings(program)) for s in log]
     rate = cycles_per_us()
     n_threads = len(per_step[0])
-    print(f"{args.model}: {len(log)} decode steps of {args.sequences} sequences ({args.prompt}-token prompts), "
+    print(f"{options['model']}: {len(log)} decode steps of {args.sequences} sequences ({args.prompt}-token prompts), "
           f"{n_threads} threads, time-stamp counter {rate / 1e3:.2f} GHz")
     step_us, region_us = np.median(step_s) * 1e6, np.median(regions) * 1e6
     print(f"step {step_us:.0f} us = region call {region_us:.0f} us + Python around it {step_us - region_us:.0f} us")

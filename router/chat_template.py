@@ -96,9 +96,17 @@ class ChatTemplate:
         if not source:
             raise ChatTemplateMissing(
                 f"model '{model}' has no chat template ({TEMPLATE_KEY} is not in its GGUF), so it cannot "
-                "serve chat requests; send plain prompts to the completions endpoint, or start the "
-                "server with --chat off")
+                "serve chat requests; send plain prompts to the completions endpoint, or give the "
+                "server a template with --chat-template FILE")
         return cls(str(source), tokenizer.bos_text, tokenizer.eos_text, name=f"chat template of '{model}'")
+
+    @classmethod
+    def from_file(cls, path: str, tokenizer: Tokenizer | None = None) -> "ChatTemplate":
+        """--chat-template: a Jinja file used instead of the GGUF's template."""
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        return cls(source, tokenizer.bos_text if tokenizer else None, tokenizer.eos_text if tokenizer else None,
+                   name=f"chat template {path}")
 
     @classmethod
     def chatml(cls, tokenizer: Tokenizer | None = None) -> "ChatTemplate":

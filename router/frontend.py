@@ -72,8 +72,6 @@ class SchedulerClient:
     async def stats(self, timeout: float = STATS_TIMEOUT_S) -> scheduler_pb2.StatsResponse:
         return await self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=timeout)
 
-    async def health(self, timeout: float = HEALTH_TIMEOUT_S) -> common_pb2.HealthResponse:
-        return await self.stub.Health(common_pb2.HealthRequest(), timeout=timeout)
 
     async def abort(self, request_id: str, timeout: float = 2.0) -> None:
         try:
@@ -92,7 +90,7 @@ class Frontend:
     """One served model: tokenizer, chat template, validation, and generation through the scheduler."""
 
     def __init__(self, model: str, scheduler_address: str | None, served_model_name: str | None = None,
-                 metrics: Any = None):
+                 metrics: Any = None, chat_template: str | None = None):
         self.model_arg = model
         self.path: Path = resolve_model(model)
         gguf = GGUFFile(self.path)
@@ -104,7 +102,8 @@ class Frontend:
         self.chat_template: ChatTemplate | None
         self.chat_template_error: str | None = None
         try:
-            self.chat_template = ChatTemplate.from_metadata(md, self.tokenizer)
+            self.chat_template = (ChatTemplate.from_file(chat_template, self.tokenizer) if chat_template
+                                  else ChatTemplate.from_metadata(md, self.tokenizer))
         except (ChatTemplateMissing, ChatTemplateError) as exc:
             self.chat_template = None
             self.chat_template_error = str(exc)
@@ -326,17 +325,18 @@ class Frontend:
 
     # ------------------------------------------------------------------ health
     async def health(self) -> tuple[bool, str, list]:
-        """(serving, message, components) from the scheduler's Health, never waiting past its deadline."""
+        """(serving, message, components) from the scheduler's Stats, never waiting past its deadline."""
         if self.scheduler is None:
             return False, "the router has no scheduler configured (--scheduler)", []
         try:
-            h = await self.scheduler.health(timeout=HEALTH_TIMEOUT_S)
+            h = await self.scheduler.stats(timeout=HEALTH_TIMEOUT_S)
         except grpc.RpcError as exc:
             return False, error_from_rpc(exc).message, []
         except asyncio.TimeoutError:
-            return False, f"the scheduler at {self.scheduler.address} did not answer Health in time", []
+            return False, f"the scheduler at {self.scheduler.address} did not answer in time", []
+        self.note_stats(h)
         ok = h.status == common_pb2.SERVING_STATUS_SERVING
-        msg = h.message
+        msg = h.status_message
         if not ok and not msg:
             bad = [f"{c.name}: {c.message or 'not serving'}" for c in h.components
                    if c.status != common_pb2.SERVING_STATUS_SERVING]

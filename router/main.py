@@ -18,45 +18,20 @@ import socket
 import sys
 from pathlib import Path
 
+from router import config as router_config
+from router.config import RouterConfig
+from shared.common_config import configure
+from shared.options import ArgumentParser, add_flags, options_of
+
 log = logging.getLogger("tensorserve.router")
 
 
-def _env(name: str, default=None):
-    return os.environ.get(name, default)
-
-
-def _port(value: str) -> int:
-    p = int(value)
-    if not 0 <= p <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {p}")
-    return p
+OPTIONS = options_of(RouterConfig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "-m", default=_env("TS_MODEL", "smollm2-135m"),
-                        help="bundled model name or path to a GGUF file; the router reads only its metadata "
-                             "(tokenizer, chat template) [env TS_MODEL, default smollm2-135m]")
-    parser.add_argument("--scheduler", default=_env("TS_SCHEDULER_ADDRESS"),
-                        help="host:port of the scheduler [env TS_SCHEDULER_ADDRESS]")
-    parser.add_argument("--host", default=_env("TS_ROUTER_HOST", "127.0.0.1"),
-                        help="address to listen on, HTTP and gRPC [env TS_ROUTER_HOST, default 127.0.0.1]")
-    parser.add_argument("--http-port", type=_port, default=_port(_env("TS_HTTP_PORT", "8000")),
-                        help="OpenAI-compatible HTTP port, 0 = any free port [env TS_HTTP_PORT, default 8000]")
-    parser.add_argument("--grpc-port", type=_port, default=_port(_env("TS_GRPC_PORT", "50051")),
-                        help="gRPC Generation port, 0 = any free port [env TS_GRPC_PORT, default 50051]")
-    parser.add_argument("--api-key", default=_env("TS_API_KEY") or None,
-                        help="require 'Authorization: Bearer KEY' on HTTP /v1/* and gRPC metadata "
-                             "(health and metrics stay open) [env TS_API_KEY, default: no key]")
-    parser.add_argument("--served-model-name", default=_env("TS_SERVED_MODEL_NAME") or None,
-                        help="model id clients send and /v1/models lists [env TS_SERVED_MODEL_NAME, "
-                             "default: the bundled name or the GGUF file's stem]")
-    parser.add_argument("--ready-file", default=_env("TS_READY_FILE") or None,
-                        help='write {"http": "host:port", "grpc": "host:port", "pid": N} here once both '
-                             "listen [env TS_READY_FILE]")
-    parser.add_argument("--grace-period", "--shutdown-grace", dest="grace_period", type=float,
-                        default=float(_env("TS_GRACE_PERIOD", "10")),
-                        help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C "
-                             "[env TS_GRACE_PERIOD, default 10]")
+    """The router's flags, each with its TS_* variable (router/config.py)."""
+    add_flags(parser, OPTIONS)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -85,11 +60,26 @@ def _write_ready(path: str, info: dict) -> None:
     tmp.replace(target)
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def _report_health(frontend, reporter, draining: asyncio.Event, period_s: float = 0.5) -> None:
+    """The standard health service follows the scheduler's (SERVING only while the scheduler and its
+    worker serve) until the router drains."""
+    while not draining.is_set():
+        ok, _, _ = await frontend.health()
+        await reporter.set(ok)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(draining.wait(), period_s)
+    await reporter.shutdown()
+
+
+async def serve(args: RouterConfig) -> int:
     import grpc
     import uvicorn
 
-    from protos.tensorserve.v1 import router_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from protos.tensorserve.v1 import router_pb2, router_pb2_grpc
+    from shared.grpc_health import SERVICE_NAME as HEALTH_SERVICE
+    from shared.grpc_health import AsyncHealthReporter
     from router.frontend import Frontend
     from router.http_api import create_app
     from router.metrics import RouterMetrics
@@ -97,7 +87,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     if not args.scheduler:
         log.warning("no --scheduler given: generation requests will get 503 until one is configured")
-    frontend = Frontend(args.model, args.scheduler, args.served_model_name)
+    frontend = Frontend(args.model, args.scheduler, args.served_model_name, chat_template=args.chat_template)
     metrics = RouterMetrics(frontend.served_model_name)
     frontend.metrics = metrics
 
@@ -107,6 +97,10 @@ async def serve(args: argparse.Namespace) -> int:
         ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)])
     servicer = GenerationServicer(frontend, metrics)
     router_pb2_grpc.add_GenerationServicer_to_server(servicer, grpc_server)
+    generation = router_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    health = AsyncHealthReporter(grpc_server, [generation])
+    # generic clients (grpcurl, Postman, grpcui) list and call the API without our .proto files
+    reflection.enable_server_reflection((generation, HEALTH_SERVICE, reflection.SERVICE_NAME), grpc_server)
     try:
         grpc_port = grpc_server.add_insecure_port(_hostport(args.host, args.grpc_port))
     except RuntimeError as exc:
@@ -152,9 +146,13 @@ async def serve(args: argparse.Namespace) -> int:
     if args.ready_file:
         _write_ready(args.ready_file, info)
 
+    draining = asyncio.Event()
+    health_task = asyncio.create_task(_report_health(frontend, health, draining))
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait({stop_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
     log.warning("router: shutting down (grace %.0fs)", args.grace_period)
+    draining.set()
+    await health_task                       # NOT_SERVING while draining
     # Drain, then stop: grpc.aio's server.stop(grace) slows the shared gRPC poller (the scheduler
     # streams of in-flight HTTP requests crawl), so gRPC refuses new calls while both drain and
     # its server stops only once the in-flight work is done or the grace period is over.
@@ -170,10 +168,12 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(flags: argparse.Namespace) -> int:
     import uvloop
-    level = getattr(args, "log_level", None) or _env("TS_LOG_LEVEL", "WARNING")
-    logging.basicConfig(level=str(level).upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configured = configure("router", RouterConfig, flags, check=router_config.check, options=OPTIONS)
+    if isinstance(configured, int):
+        return configured
+    args, _ = configured
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(serve(args))
@@ -187,13 +187,15 @@ def run(args: argparse.Namespace) -> int:
         raise
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tensorserve router", description="The TensorServe router process: "
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="tensorserve router", description="The TensorServe router process: "
                                      "OpenAI-compatible HTTP API and the gRPC Generation service.")
-    parser.add_argument("--log-level", default=_env("TS_LOG_LEVEL", "WARNING"),
-                        help="logging level [env TS_LOG_LEVEL, default WARNING]")
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,15 @@ import grpc
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent, TokenLogprob
 from router.metrics import RouterMetrics
+from shared.grpc_health import SERVICE_NAME as HEALTH_SERVICE
 from shared.step_codec import sampling_params_from_proto
 
-_OPEN_METHODS = ("/tensorserve.v1.Generation/Health",)
+# probes carry no key: the standard health service stays open (reflection does not)
+_OPEN_METHODS = (f"/{HEALTH_SERVICE}/Check", f"/{HEALTH_SERVICE}/Watch")
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED unless the metadata carries ``authorization: Bearer <key>`` (Health stays open)."""
+    """UNAUTHENTICATED unless the metadata carries ``authorization: Bearer <key>`` (health checks stay open)."""
 
     def __init__(self, api_key: str):
         self._expected = f"Bearer {api_key}".encode()
@@ -34,6 +36,12 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
 
+        async def deny_bidi(request_iterator, context):
+            await deny(None, context)
+            yield  # pragma: no cover
+
+        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny_bidi)   # server reflection
+
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method in _OPEN_METHODS:
@@ -43,7 +51,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             got = got.encode()
         if hmac.compare_digest(got, self._expected):
             return await continuation(handler_call_details)
-        return self._deny_stream if method.endswith("/Generate") else self._deny_unary
+        if method.endswith("/Generate"):
+            return self._deny_stream
+        return self._deny_bidi if method.startswith("/grpc.reflection.") else self._deny_unary
 
 
 def _token_logprob_pb(lp: TokenLogprob) -> router_pb2.TokenLogprob:
@@ -210,14 +220,6 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
                                     kind=router_pb2.MODEL_KIND_AUTOREGRESSIVE, created=fe.created,
                                     owned_by="tensorserve")
         return router_pb2.ListModelsResponse(models=[info])
-
-    async def Health(self, request, context):
-        ok, message, components = await self.frontend.health()
-        self.metrics.count("grpc.Health", "OK")
-        return common_pb2.HealthResponse(
-            status=common_pb2.SERVING_STATUS_SERVING if ok else common_pb2.SERVING_STATUS_NOT_SERVING,
-            message=message, components=components)
-
 
 def add_to_server(server: grpc.aio.Server, frontend: Frontend, metrics: RouterMetrics) -> None:
     router_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, metrics), server)

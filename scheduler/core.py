@@ -32,7 +32,8 @@ from typing import Callable
 
 import grpc
 
-from protos.tensorserve.v1 import scheduler_pb2
+from protos.tensorserve.v1 import common_pb2, scheduler_pb2
+from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.events import final_event, progress_event
 from scheduler.sequence import Sequence
@@ -62,20 +63,23 @@ class _Handle:
     submitted_at: float = field(default_factory=time.monotonic)
 
 
+def _status(ok: bool) -> int:
+    return common_pb2.SERVING_STATUS_SERVING if ok else common_pb2.SERVING_STATUS_NOT_SERVING
+
+
 class SchedulerCore:
     """The engine loop thread and everything the gRPC handlers share with it."""
 
-    def __init__(self, worker_address: str | None, transport: str | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
-                 max_prefill_tokens_while_decoding: int | None = None, num_decode_steps: int = 1,
-                 retry_initial_s: float = 0.2, retry_max_s: float = 2.0):
+    def __init__(self, config: SchedulerConfig, retry_initial_s: float = 0.2, retry_max_s: float = 2.0):
+        self.config = config
+        worker_address = config.worker
         self.worker_address = worker_address
-        self.transport = transport
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
-        self.num_decode_steps = num_decode_steps
-        self.enable_prefix_caching = enable_prefix_caching
+        self.transport = config.tensor_transport
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = config.max_prefill_tokens_while_decoding
+        self.num_decode_steps = config.num_decode_steps
+        self.enable_prefix_caching = config.enable_prefix_caching
         self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
         self._cond = threading.Condition()
         self._inbox: deque[tuple] = deque()
@@ -88,6 +92,7 @@ class SchedulerCore:
                                else f"connecting to worker {worker_address}")
         self.worker_message = self.health_message
         self.draining = False
+        self.health_reporter = None          # the grpc.health.v1 service, set by build_server
         self._stop = False
         self.tokens_computed = 0
         self.steps = 0
@@ -155,6 +160,31 @@ class SchedulerCore:
             self._cond.notify_all()
         log.info("worker registered at %s", address)
         return True, ""
+
+    def health(self) -> tuple[bool, str, list[common_pb2.ComponentHealth]]:
+        """(serving, why not, the scheduler and its worker as components)."""
+        ok = self.ready and not self.draining
+        if self.draining:
+            message = "the scheduler is shutting down"
+        elif not self.ready:
+            message = self.health_message or "no worker"
+        else:
+            message = ""
+        d = self.description
+        worker_message = ("" if self.ready else (self.worker_message or self.health_message)) \
+            or (f"{d.model_name} at {self.worker_address}" if d else "")
+        return ok, message, [
+            common_pb2.ComponentHealth(name="scheduler", message=message, status=_status(ok)),
+            common_pb2.ComponentHealth(name="worker-0", message=worker_message, status=_status(self.ready))]
+
+    async def report_health(self, period_s: float = 0.5) -> None:
+        """Keeps the standard health service's status in step with `health()` until draining."""
+        reporter = self.health_reporter
+        while reporter is not None and not self.draining:
+            await reporter.set(self.health()[0])
+            await asyncio.sleep(period_s)
+        if reporter is not None:
+            await reporter.shutdown()
 
     def stats(self) -> scheduler_pb2.StatsResponse:
         with self._cond:
@@ -230,7 +260,7 @@ class SchedulerCore:
             address = self.worker_address
         if not address:
             return False
-        client = WorkerClient(address, self.transport)
+        client = WorkerClient(address, self.transport, probe_after_s=self.config.worker_probe_after)
         try:
             d = client.describe(timeout_s=2.0)
         except WorkerFailure as exc:

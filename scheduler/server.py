@@ -13,6 +13,9 @@ import uuid
 import grpc
 
 from protos.tensorserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shared.grpc_health import AsyncHealthReporter
+
+SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 from scheduler.core import SchedulerCore, SubmitRefused, _Handle
 from scheduler.sequence import Sequence
 from shared.step_codec import sampling_params_from_proto
@@ -110,32 +113,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.AbortResponse(found=self.core.abort(request.request_id))
 
     async def Stats(self, request, context):
-        return self.core.stats()
-
-    async def Health(self, request, context):
-        core = self.core
-        ok = core.ready and not core.draining
-        if core.draining:
-            message = "the scheduler is shutting down"
-        elif not core.ready:
-            message = core.health_message or "no worker"
-        else:
-            message = ""
-        worker_ok = core.ready
-        d = core.description
-        return common_pb2.HealthResponse(
-            status=common_pb2.SERVING_STATUS_SERVING if ok else common_pb2.SERVING_STATUS_NOT_SERVING,
-            message=message,
-            components=[
-                common_pb2.ComponentHealth(
-                    name="scheduler", message=message,
-                    status=common_pb2.SERVING_STATUS_SERVING if ok else common_pb2.SERVING_STATUS_NOT_SERVING),
-                common_pb2.ComponentHealth(
-                    name="worker-0",
-                    status=common_pb2.SERVING_STATUS_SERVING if worker_ok else common_pb2.SERVING_STATUS_NOT_SERVING,
-                    message=("" if worker_ok else (core.worker_message or core.health_message))
-                    or (f"{d.model_name} at {core.worker_address}" if d else "")),
-            ])
+        stats = self.core.stats()
+        ok, message, components = self.core.health()
+        stats.status = common_pb2.SERVING_STATUS_SERVING if ok else common_pb2.SERVING_STATUS_NOT_SERVING
+        stats.status_message = message
+        stats.components.extend(components)
+        return stats
 
     async def RegisterWorker(self, request, context):
         if not request.address:
@@ -161,6 +144,7 @@ def build_server(core: SchedulerCore, host: str, port: int) -> tuple[grpc.aio.Se
         ("grpc.so_reuseport", 0),
     ])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(core), server)
+    core.health_reporter = AsyncHealthReporter(server, [SCHEDULER_SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")

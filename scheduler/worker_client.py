@@ -20,7 +20,6 @@ stopped, and the step fails now instead of at the step timeout.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
 import threading
@@ -28,6 +27,7 @@ import time
 from typing import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.tensor_codec import TensorCodec, resolve_transport
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 * 2**20
 TRANSPORT_METADATA_KEY = "ts-tensor-transport"   # what we want back; read by worker/server.py
 DEFAULT_STEP_TIMEOUT_S = 600.0
-HEALTH_PROBE_AFTER_S = float(os.environ.get("TS_WORKER_PROBE_AFTER_S", "10"))
+HEALTH_PROBE_AFTER_S = 10.0      # --worker-probe-after
 HEALTH_PROBE_TIMEOUT_S = 3.0
 
 
@@ -60,8 +60,9 @@ def _rpc_error_text(exc: grpc.RpcError) -> str:
 
 class WorkerClient:
     def __init__(self, address: str, transport: str | None = None,
-                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S, probe_after_s: float = HEALTH_PROBE_AFTER_S):
         self.address = address
+        self.probe_after_s = probe_after_s
         self.setting = transport
         self.step_timeout_s = step_timeout_s
         self.channel = grpc.insecure_channel(address, options=[
@@ -70,6 +71,7 @@ class WorkerClient:
             ("grpc.enable_retries", 0),
         ])
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)   # the standard grpc.health.v1 service
         self.transport = resolve_transport(transport, address)
         self.codec: TensorCodec | None = None
         self._codecs: list[TensorCodec] = []
@@ -168,7 +170,7 @@ class WorkerClient:
 
     def _watch(self) -> None:
         """Cancels the stream of a worker that runs a step past the probe delay and answers no Health."""
-        period = max(0.05, min(1.0, HEALTH_PROBE_AFTER_S / 4))
+        period = max(0.05, min(1.0, self.probe_after_s / 4))
         probed_at = 0.0
         while not self._closed.wait(period):
             since, stream = self._waiting_since, self._stream
@@ -179,7 +181,7 @@ class WorkerClient:
             if waited > self.step_timeout_s:
                 self._hung_message = (f"worker {self.address} ran one step for over {self.step_timeout_s:.0f} s "
                                       f"(the step timeout); restart the worker")
-            elif waited > HEALTH_PROBE_AFTER_S and now - probed_at > HEALTH_PROBE_AFTER_S:
+            elif waited > self.probe_after_s and now - probed_at > self.probe_after_s:
                 probed_at = now
                 if self._answers_health():
                     continue
@@ -193,7 +195,7 @@ class WorkerClient:
 
     def _answers_health(self) -> bool:
         try:
-            self.stub.Health(common_pb2.HealthRequest(), timeout=HEALTH_PROBE_TIMEOUT_S)
+            self.health_stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_PROBE_TIMEOUT_S)
             return True
         except grpc.RpcError:
             return False

@@ -17,3 +17,16 @@ def set_openblas_thread_timeout() -> None:
     """Default OPENBLAS_THREAD_TIMEOUT for this process and its children; a value already set wins.
     Without effect once numpy has been imported."""
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT)
+
+
+def set_compute_threads(threads: int | None) -> None:
+    """--threads: the compiled kernels' (numba, OpenMP) and OpenBLAS's thread counts. Takes full
+    effect only before numpy and numba load; later, numba's count can still be lowered."""
+    if threads is None:
+        return
+    import sys
+    for name in ("NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        os.environ[name] = str(threads)
+    if "numba" in sys.modules:
+        import numba
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +25,21 @@ BUNDLED: dict[str, BundledModel] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+_cache_dir: Path | None = None
+
+
+def set_cache_dir(path: str | Path) -> None:
+    """The --model-cache of this process (commands call it once their configuration is read)."""
+    global _cache_dir
+    _cache_dir = Path(path).expanduser()
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("TS_MODEL_CACHE", Path.home() / ".cache" / "tensorserve"))
+    """--model-cache, else $TS_MODEL_CACHE (library callers), else ~/.cache/tensorserve."""
+    if _cache_dir is not None:
+        return _cache_dir
+    from shared.options import env_value
+    return Path(env_value("TS_MODEL_CACHE") or Path.home() / ".cache" / "tensorserve")
 
 
 def _smollm2_path() -> Path:

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import ipaddress
 import math
-import os
 
 import numpy as np
 
 from protos.tensorserve.v1 import common_pb2
 from shared.shm import DEFAULT_SHM_MIN_BYTES, SHM_DIR, ShmArena, ShmReader, TensorRef, _dtype
 
-__all__ = ["TensorCodec", "resolve_transport", "is_local_address", "TRANSPORT_ENV"]
+__all__ = ["TensorCodec", "resolve_transport", "is_local_address"]
 
-TRANSPORT_ENV = "TS_TENSOR_TRANSPORT"        # shm | inline | auto (default)
 
 
 def is_local_address(address: str | None) -> bool:
@@ -36,13 +34,13 @@ def is_local_address(address: str | None) -> bool:
 
 
 def resolve_transport(setting: str | None = None, peer_address: str | None = None) -> str:
-    """'shm' or 'inline' from a flag value (or $TS_TENSOR_TRANSPORT): 'auto' picks shm for a local peer."""
-    value = (setting or os.environ.get(TRANSPORT_ENV) or "auto").strip().lower()
+    """'shm' or 'inline' from the --tensor-transport value: 'auto' (or None) picks shm for a local peer."""
+    value = (setting or "auto").strip().lower()
     if value in ("shm", "inline"):
         return value
     if value == "auto":
         return "shm" if is_local_address(peer_address) and SHM_DIR.is_dir() else "inline"
-    raise ValueError(f"tensor transport must be shm, inline or auto, got {value!r} (flag or ${TRANSPORT_ENV})")
+    raise ValueError(f"tensor transport must be shm, inline or auto, got {value!r}")
 
 
 class TensorCodec:

@@ -4,20 +4,26 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
-import os
 import sys
 from pathlib import Path
+from typing import Any
+
+from router.config import RouterConfig
+from shared.common_config import check_model, configure
+from shared.options import ArgumentParser, add_flags, options_of
+from worker.config import WorkerConfig
 
 
-def _env(name: str, default=None):
-    return os.environ.get(name, default)
+# the in-process commands take the worker's and router's options they need, defined there
+MODEL_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level"))
+ENGINE_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level", "kv_memory", "threads"))
+GENERATE_OPTIONS = ENGINE_OPTIONS + options_of(RouterConfig, only=("chat_template",))
 
 
-def _add_model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=_env("TS_MODEL", "smollm2-135m"),
-                   help="bundled model name (see `tensorserve models`) or path to a GGUF file "
-                        "[env TS_MODEL, default smollm2-135m]")
+def _configured(args: argparse.Namespace, options: list) -> Any:
+    """The command's options (flag > TS_* variable > --config > default), or its exit status."""
+    configured = configure(args.command, None, args, check=check_model, options=options, announce=False)
+    return configured if isinstance(configured, int) else configured[1].values
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -38,18 +44,24 @@ def _load_tokenizer(model: str):
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    tokenizer, _ = _load_tokenizer(args.model)
+    opts = _configured(args, MODEL_OPTIONS)
+    if isinstance(opts, int):
+        return opts
+    tokenizer, _ = _load_tokenizer(opts["model"])
     text = sys.stdin.read()
     print(json.dumps(tokenizer.encode(text, add_special=args.add_special, parse_special=args.parse_special)))
     return 0
 
 
 def cmd_score(args: argparse.Namespace) -> int:
+    opts = _configured(args, ENGINE_OPTIONS)
+    if isinstance(opts, int):
+        return opts
     from tensorserve.local import LocalEngine
     tokens = json.loads(Path(args.tokens_json).read_text())
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise SystemExit(f"{args.tokens_json}: expected a JSON list of token ids")
-    engine = LocalEngine(args.model, load_tokenizer=False)
+    engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"], load_tokenizer=False)
     vocab = engine.config.vocab_size
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:
@@ -60,15 +72,19 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    opts = _configured(args, GENERATE_OPTIONS)
+    if isinstance(opts, int):
+        return opts
     from router.chat_template import ChatTemplate
     from router.detokenizer import IncrementalDetokenizer
     from shared.sampling_params import SamplingParams
     from tensorserve.local import LocalEngine
 
-    engine = LocalEngine(args.model)
+    engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"])
     tokenizer = engine.tokenizer
     if args.chat:
-        template = ChatTemplate.from_metadata(engine.runner.gguf.metadata, tokenizer)
+        template = (ChatTemplate.from_file(opts["chat_template"], tokenizer) if opts["chat_template"]
+                    else ChatTemplate.from_metadata(engine.runner.gguf.metadata, tokenizer))
         text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
         prompt = tokenizer.encode(text, add_special=False, parse_special=True)
     else:
@@ -88,16 +104,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tensorserve", description="Serve GGUF language models.")
-    parser.add_argument("--log-level", default=_env("TS_LOG_LEVEL", "WARNING"),
-                        help="logging level [env TS_LOG_LEVEL, default WARNING]")
+    parser = ArgumentParser(prog="tensorserve", description="Serve GGUF language models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("models", help="list the bundled models")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("generate", help="generate text in-process, streamed to stdout")
-    _add_model_arg(p)
+    add_flags(p, GENERATE_OPTIONS)
     p.add_argument("--prompt", "-p", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
@@ -108,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("tokenize", help="read text on stdin, print its token ids as a JSON list")
-    _add_model_arg(p)
+    add_flags(p, MODEL_OPTIONS)
     p.add_argument("--parse-special", action="store_true", help="turn special-token text (e.g. <|im_start|>) into its id")
     p.add_argument("--add-special", action="store_true", help="add the model's BOS/EOS as llama.cpp does")
     p.set_defaults(func=cmd_tokenize)
@@ -128,16 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=module.run)
 
     p = sub.add_parser("score", help="teacher-forced top-k log-probabilities at every position of a token list")
-    _add_model_arg(p)
+    add_flags(p, ENGINE_OPTIONS)
     p.add_argument("--tokens-json", required=True, help="file holding a JSON list of token ids")
     p.add_argument("--top-k", type=int, default=8, help="alternatives per position (default 8)")
     p.set_defaults(func=cmd_score)
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("tensorserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from shared.errors import TensorServeError
     try:
         return args.func(args)

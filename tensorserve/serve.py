@@ -10,6 +10,7 @@ with the reason; if the router itself dies, serve stops everything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -18,60 +19,62 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from router import config as router_config
+from router.config import RouterConfig
+from scheduler.config import SchedulerConfig
+from shared.common_config import LoggingOptions, configure
+from shared.options import Number, Resolved, Text, add_flags, option, options_of, product_variables, to_argv
+from worker import config as worker_config
+from worker.config import WorkerConfig
 
 log = logging.getLogger("tensorserve.serve")
 
-START_TIMEOUT_S = float(os.environ.get("TS_START_TIMEOUT", "600"))
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions(LoggingOptions):
+    ready_file: str | None = option(None, "write the public addresses and the children's pids as JSON here "
+                                    "once serving", Text(metavar="FILE"), env="TS_READY_FILE")
+    start_timeout: float = option(600.0, "seconds each child process may take to start (the first start "
+                                  "compiles the kernels)", Number(0, exclusive=True), env="TS_START_TIMEOUT")
+
+
+# every user-facing option of the three processes, each once; serve assigns the internal ones
+OPTIONS = options_of(RouterConfig, WorkerConfig, SchedulerConfig, ServeOptions, include_internal=False)
+CHILD_OPTIONS = {"worker": options_of(WorkerConfig), "scheduler": options_of(SchedulerConfig),
+                 "router": options_of(RouterConfig)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    p.add_argument("--model", "-m", default=env("TS_MODEL", "smollm2-135m"),
-                   help="bundled model name or GGUF path [env TS_MODEL, default smollm2-135m]")
-    p.add_argument("--host", default=env("TS_ROUTER_HOST", "127.0.0.1"),
-                   help="address the public APIs listen on [env TS_ROUTER_HOST, default 127.0.0.1]")
-    p.add_argument("--http-port", type=int, default=int(env("TS_HTTP_PORT", "8000")),
-                   help="OpenAI-compatible HTTP port [env TS_HTTP_PORT, default 8000]")
-    p.add_argument("--grpc-port", type=int, default=int(env("TS_GRPC_PORT", "50051")),
-                   help="gRPC Generation port [env TS_GRPC_PORT, default 50051]")
-    p.add_argument("--api-key", default=env("TS_API_KEY"), help="require this key on HTTP and gRPC [env TS_API_KEY]")
-    p.add_argument("--kv-memory", default=env("TS_KV_MEMORY", "512MiB"),
-                   help="KV cache memory of the worker, e.g. 512MiB, 2GiB [env TS_KV_MEMORY, default 512MiB]")
-    p.add_argument("--max-num-seqs", default=env("TS_MAX_NUM_SEQS", "64"),
-                   help="sequences running at once [env TS_MAX_NUM_SEQS, default 64]")
-    p.add_argument("--max-num-batched-tokens", default=env("TS_MAX_NUM_BATCHED_TOKENS", "256"),
-                   help="tokens computed per engine step at most (prefill chunk budget) "
-                        "[env TS_MAX_NUM_BATCHED_TOKENS, default 256]")
-    p.add_argument("--max-prefill-tokens-while-decoding",
-                   default=env("TS_MAX_PREFILL_TOKENS_WHILE_DECODING", "48"),
-                   help="prompt tokens a step that also decodes takes at most: bounds the running "
-                        "requests' inter-token latency while new prompts arrive "
-                        "[env TS_MAX_PREFILL_TOKENS_WHILE_DECODING, default 48]")
-    p.add_argument("--num-decode-steps", default=env("TS_NUM_DECODE_STEPS", "1"),
-                   help="tokens a step that only decodes computes in one worker call (multi-step "
-                        "scheduling): less host work a token, tokens streamed that many at a time "
-                        "[env TS_NUM_DECODE_STEPS, default 1]")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=env("TS_ENABLE_PREFIX_CACHING", "1") not in ("0", "false", "no"),
-                   help="reuse the KV of full blocks shared with earlier prompts [env TS_ENABLE_PREFIX_CACHING, "
-                        "default on]")
-    p.add_argument("--grace-period", type=float, default=float(env("TS_GRACE_PERIOD", "10")),
-                   help="seconds in-flight requests get to finish on shutdown [env TS_GRACE_PERIOD, default 10]")
-    p.add_argument("--ready-file", default=env("TS_READY_FILE"),
-                   help="write the public addresses and child pids as JSON here once serving")
+    add_flags(p, OPTIONS)
+
+
+def _check(resolved: Resolved) -> None:
+    worker_config.check(resolved)
+    router_config.check(resolved)
+
+
+def _child_environment() -> dict[str, str]:
+    """This environment less the product's variables: a child takes its options from serve alone."""
+    product = {e for options in CHILD_OPTIONS.values() for e in product_variables(options)}
+    return {k: v for k, v in os.environ.items() if k not in product}
 
 
 class Child:
-    def __init__(self, name: str, args: list[str], ready_dir: Path):
+    def __init__(self, name: str, config: Any, ready_dir: Path, start_timeout: float):
         self.name = name
         self.ready = ready_dir / f"{name}.json"
-        cmd = [sys.executable, "-m", f"{name}.main", *args, "--ready-file", str(self.ready)]
+        self.start_timeout = start_timeout
+        args, secrets = to_argv(CHILD_OPTIONS[name], dataclasses.replace(config, ready_file=str(self.ready)))
+        cmd = [sys.executable, "-m", f"{name}.main", *args]
         log.info("starting %s: %s", name, " ".join(cmd))
-        self.proc = subprocess.Popen(cmd)
+        self.proc = subprocess.Popen(cmd, env={**_child_environment(), **secrets})
 
     def wait_ready(self, others: list["Child"]) -> dict:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.ready.exists():
                 try:
@@ -83,7 +86,8 @@ class Child:
                     raise RuntimeError(f"{c.name} exited with status {c.proc.returncode} while starting; "
                                        "see its messages above")
             time.sleep(0.1)
-        raise RuntimeError(f"{self.name} did not become ready within {START_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"{self.name} did not become ready within {self.start_timeout:.0f} s "
+                           "(--start-timeout)")
 
     def stop(self, grace: float) -> None:
         if self.proc.poll() is None:
@@ -96,7 +100,14 @@ class Child:
                 self.proc.wait()
 
 
-def run(args: argparse.Namespace) -> int:
+def run(flags: argparse.Namespace) -> int:
+    configured = configure("serve", ServeOptions, flags, check=_check, options=OPTIONS)
+    if isinstance(configured, int):
+        return configured
+    args, resolved = configured
+    worker_cfg = resolved.build(WorkerConfig, host="127.0.0.1", port=0)
+    scheduler_cfg = resolved.build(SchedulerConfig, host="127.0.0.1", port=0)
+    router_cfg = resolved.build(RouterConfig)
     stop = {"signal": None}
 
     def on_signal(signum, frame):
@@ -108,27 +119,15 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tensorserve-") as tmp:
         ready_dir = Path(tmp)
         try:
-            worker = Child("worker", ["--model", args.model, "--port", "0", "--kv-memory", str(args.kv_memory)],
-                           ready_dir)
+            worker = Child("worker", worker_cfg, ready_dir, args.start_timeout)
             children.append(worker)
             worker_addr = worker.wait_ready([])["address"]
-            scheduler = Child("scheduler", ["--worker", worker_addr, "--port", "0",
-                                            "--max-num-seqs", str(args.max_num_seqs),
-                                            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                                            "--max-prefill-tokens-while-decoding",
-                                            str(args.max_prefill_tokens_while_decoding),
-                                            "--num-decode-steps", str(args.num_decode_steps),
-                                            "--enable-prefix-caching" if args.enable_prefix_caching
-                                            else "--no-enable-prefix-caching",
-                                            "--grace-period", str(args.grace_period)], ready_dir)
+            scheduler = Child("scheduler", dataclasses.replace(scheduler_cfg, worker=worker_addr), ready_dir,
+                              args.start_timeout)
             children.append(scheduler)
             scheduler_addr = scheduler.wait_ready([worker])["address"]
-            router_args = ["--model", args.model, "--scheduler", scheduler_addr, "--host", args.host,
-                           "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
-                           "--grace-period", str(args.grace_period)]
-            if args.api_key:
-                router_args += ["--api-key", args.api_key]
-            router = Child("router", router_args, ready_dir)
+            router = Child("router", dataclasses.replace(router_cfg, scheduler=scheduler_addr), ready_dir,
+                           args.start_timeout)
             children.append(router)
             public = router.wait_ready([worker, scheduler])
         except RuntimeError as exc:
@@ -140,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         info = {**public, "pids": {c.name: c.proc.pid for c in children}}
         if args.ready_file:
             Path(args.ready_file).write_text(json.dumps(info))
-        print(f"TensorServe is serving {args.model}: OpenAI API at http://{public['http']}/v1, "
+        print(f"TensorServe is serving {router_cfg.model}: OpenAI API at http://{public['http']}/v1, "
               f"gRPC Generation at {public['grpc']}", flush=True)
 
         reported: set[str] = set()
@@ -157,5 +156,5 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.2)
 
         for c in reversed(children):      # router first: it drains in-flight requests
-            c.stop(args.grace_period + 5)
+            c.stop(router_cfg.grace_period + 5)
         return 0 if stop["signal"] is not None else 1

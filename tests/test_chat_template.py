@@ -51,7 +51,7 @@ def test_gemma3_base_has_no_template():
         ChatTemplate.from_metadata(md, Tokenizer.from_metadata(md))
     message = str(info.value)
     assert isinstance(info.value, ValueError)
-    assert "Gemma 3 270m" in message and "completions" in message and "--chat off" in message
+    assert "Gemma 3 270m" in message and "completions" in message and "--chat-template" in message
 
 
 def test_chatml_fallback_matches_llama_cpp_for_tiny_llada():

@@ -42,17 +42,18 @@ def _methods(pb2, service: str) -> dict[str, tuple[bool, bool]]:
 
 
 def test_services_are_complete():
+    """Health is the standard grpc.health.v1 service on every process (shared/grpc_health.py), not ours."""
     assert common_pb2.DESCRIPTOR.package == "tensorserve.v1"
     assert _methods(router_pb2, "Generation") == {
         "Generate": (False, True), "Tokenize": (False, False), "Detokenize": (False, False),
-        "ListModels": (False, False), "Health": (False, False)}
+        "ListModels": (False, False)}
     assert _methods(scheduler_pb2, "Scheduler") == {
         "Submit": (False, True), "Abort": (False, False), "Stats": (False, False),
-        "Health": (False, False), "RegisterWorker": (False, False)}
+        "RegisterWorker": (False, False)}
     assert _methods(worker_pb2, "Worker") == {
         "Describe": (False, False), "Step": (False, False), "StepStream": (True, True),
         "ExportBlocks": (False, False),
-        "ImportBlocks": (False, False), "Health": (False, False)}
+        "ImportBlocks": (False, False)}
 
 
 # ----------------------------------------------------------------- sampling parameters

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from processes import free_port, start_with_ready_file, stop
+from shared import grpc_health
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,10 +100,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def Stats(self, request, context):
         return scheduler_pb2.StatsResponse(running=self.running, waiting=0, kv_blocks_total=100,
                                            kv_blocks_free=90, kv_used_fraction=0.1, block_size=16,
-                                           max_context=FAKE_CONTEXT)
-
-    def Health(self, request, context):
-        return common_pb2.HealthResponse(status=common_pb2.SERVING_STATUS_SERVING, message="fake")
+                                           max_context=FAKE_CONTEXT, status=common_pb2.SERVING_STATUS_SERVING)
 
     def RegisterWorker(self, request, context):
         return scheduler_pb2.RegisterWorkerResponse(accepted=False, message="fake scheduler")
@@ -324,6 +322,56 @@ def test_api_key_http_and_grpc(stack):
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_reflection_lists_and_calls_generation_behind_the_key(stack):
+    """A generic client (grpcio-reflection's own descriptor database, no generated stubs of ours)
+    lists the services, builds GenerateRequest from the served descriptors and calls Generate;
+    without the key reflection is refused, while the standard health check answers."""
+    from google.protobuf import descriptor_pool, json_format, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    md = [("authorization", f"Bearer {API_KEY}")]
+    with grpc.insecure_channel(stack.grpc) as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            ProtoReflectionDescriptorDatabase(ch).get_services()
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert grpc_health.check(stack.grpc)
+
+    authed = grpc.intercept_channel(grpc.insecure_channel(stack.grpc), _MetadataAdder(md))
+    database = ProtoReflectionDescriptorDatabase(authed)
+    services = set(database.get_services())
+    assert {"tensorserve.v1.Generation", "grpc.health.v1.Health"} <= services
+    pool = descriptor_pool.DescriptorPool(database)
+    method = pool.FindServiceByName("tensorserve.v1.Generation").FindMethodByName("Generate")
+    request_class = message_factory.GetMessageClass(method.input_type)
+    response_class = message_factory.GetMessageClass(method.output_type)
+    request = json_format.ParseDict({"model": MODEL, "text": "The sky is",
+                                     "sampling": {"max_tokens": 3, "temperature": 0}}, request_class())
+    call = authed.unary_stream("/tensorserve.v1.Generation/Generate", request_serializer=request_class.SerializeToString,
+                               response_deserializer=response_class.FromString)
+    events = [json_format.MessageToDict(e) for e in call(request, timeout=60)]
+    assert "finish" in events[-1] and int(events[-1]["finish"]["usage"]["completionTokens"]) == 3   # uint64: a JSON string
+    authed.close()
+
+
+class _MetadataAdder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamStreamClientInterceptor):
+    """Adds the API key to every call, as a generic client's header option does."""
+
+    def __init__(self, metadata):
+        self.metadata = list(metadata)
+
+    def _details(self, details):
+        return details._replace(metadata=list(details.metadata or []) + self.metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
 # ----------------------------------------------------------------------------- gRPC
 def test_grpc_generate_tokenize_models(stack):
     md = [("authorization", f"Bearer {API_KEY}")]
@@ -357,8 +405,8 @@ def test_grpc_generate_tokenize_models(stack):
         with pytest.raises(grpc.RpcError) as ei:
             list(stub.Generate(bad, metadata=md, timeout=10))
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in ei.value.details()
-        h = stub.Health(common_pb2.HealthRequest(), timeout=10)
-        assert h.status == common_pb2.SERVING_STATUS_SERVING
+        # the standard health service answers without the key, for the server and the API
+        assert grpc_health.check(stack.grpc) and grpc_health.check(stack.grpc, "tensorserve.v1.Generation")
 
 
 # ----------------------------------------------------------------------------- health, metrics, models

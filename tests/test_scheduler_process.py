@@ -19,6 +19,7 @@ import pytest
 from agreement import greedy_prefix_to_check
 from conftest import load_fixture
 from processes import start_with_ready_file, stop, wait_for
+from shared import grpc_health
 from protos.tensorserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 FIXTURE = load_fixture("smollm2-135m")
@@ -63,7 +64,7 @@ def stack(tmp_path_factory):
     sched, addr = start_scheduler(tmp, "scheduler", "--worker", worker_addr)
     channel = grpc.insecure_channel(addr)
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
-    assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 30), \
+    assert wait_for(lambda: stub.Stats(scheduler_pb2.StatsRequest()).status == SERVING, 30), \
         (tmp / "scheduler.log").read_text()
     stub.log_path = tmp / "scheduler.log"
     yield stub
@@ -198,7 +199,9 @@ def fragile(tmp_path_factory):
     procs = {}
     procs["scheduler"], addr = start_scheduler(tmp, "scheduler")      # no --worker: waits for RegisterWorker
     channel = grpc.insecure_channel(addr)
-    yield tmp, procs, scheduler_pb2_grpc.SchedulerStub(channel)
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    stub.address = addr
+    yield tmp, procs, stub
     channel.close()
     for p in procs.values():
         stop(p)
@@ -206,15 +209,17 @@ def fragile(tmp_path_factory):
 
 def test_register_worker_then_kill_and_recover(fragile):
     tmp, procs, stub = fragile
-    h = stub.Health(common_pb2.HealthRequest())
-    assert h.status == NOT_SERVING and "worker" in h.message
+    h = stub.Stats(scheduler_pb2.StatsRequest())
+    assert h.status == NOT_SERVING and "worker" in h.status_message
+    assert not grpc_health.check(stub.address) and not grpc_health.check(stub.address, "tensorserve.v1.Scheduler")
     with pytest.raises(grpc.RpcError) as err:
         collect(stub, submit_request(CASE["prompt_tokens"], 2), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "worker" in err.value.details()
 
     procs["worker"], worker_addr = start_worker(tmp, "worker")
     assert stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker_id="w0", address=worker_addr)).accepted
-    assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 20)
+    assert wait_for(lambda: stub.Stats(scheduler_pb2.StatsRequest()).status == SERVING, 20)
+    assert wait_for(lambda: grpc_health.check(stub.address, "tensorserve.v1.Scheduler"), 5)
 
     call = stub.Submit(submit_request(CASE["prompt_tokens"], 1000, ignore_eos=True), timeout=30)
     events = []
@@ -230,8 +235,9 @@ def test_register_worker_then_kill_and_recover(fragile):
     assert last.finish_reason == common_pb2.FINISH_REASON_ERROR
     assert last.error.code == "worker_unavailable"
     assert worker_addr in last.error.message and "restart the worker" in last.error.message
-    h = stub.Health(common_pb2.HealthRequest())
-    assert h.status == NOT_SERVING and worker_addr in h.message
+    h = stub.Stats(scheduler_pb2.StatsRequest())
+    assert h.status == NOT_SERVING and worker_addr in h.status_message
+    assert wait_for(lambda: not grpc_health.check(stub.address), 5)
     with pytest.raises(grpc.RpcError) as err:
         collect(stub, submit_request(CASE["prompt_tokens"], 2), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -240,7 +246,7 @@ def test_register_worker_then_kill_and_recover(fragile):
     # a worker back on the same address: the scheduler re-dials it and serves again
     port = int(worker_addr.rsplit(":", 1)[1])
     procs["worker"], _ = start_worker(tmp, "worker2", port=port)
-    assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 20)
+    assert wait_for(lambda: stub.Stats(scheduler_pb2.StatsRequest()).status == SERVING, 20)
     tokens, last, _ = collect(stub, submit_request(CASE["prompt_tokens"], 5, ignore_eos=True))
     assert tokens == CASE["greedy_continuation"][:5] and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     s = stub.Stats(scheduler_pb2.StatsRequest())
@@ -258,7 +264,7 @@ def test_a_hung_worker_fails_requests_in_seconds_not_at_the_step_timeout(tmp_pat
     channel = grpc.insecure_channel(info["address"])
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     try:
-        assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 30)
+        assert wait_for(lambda: stub.Stats(scheduler_pb2.StatsRequest()).status == SERVING, 30)
         events, t_stop = [], None
         for ev in stub.Submit(submit_request(CASE["prompt_tokens"], 1000, ignore_eos=True), timeout=60):
             events.append(ev)
@@ -270,7 +276,7 @@ def test_a_hung_worker_fails_requests_in_seconds_not_at_the_step_timeout(tmp_pat
         assert last.finish_reason == common_pb2.FINISH_REASON_ERROR and "stopped answering" in last.error.message
         assert waited < 15
         worker.send_signal(signal.SIGCONT)
-        assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 30)
+        assert wait_for(lambda: stub.Stats(scheduler_pb2.StatsRequest()).status == SERVING, 30)
         tokens, last, _ = collect(stub, submit_request(CASE["prompt_tokens"], 4, ignore_eos=True), timeout=60)
         assert tokens == CASE["greedy_continuation"][:4]
     finally:
@@ -282,7 +288,7 @@ def test_a_hung_worker_fails_requests_in_seconds_not_at_the_step_timeout(tmp_pat
 
 def test_sigterm_finishes_in_flight_then_exits(fragile):
     tmp, procs, stub = fragile
-    assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 20)
+    assert wait_for(lambda: stub.Stats(scheduler_pb2.StatsRequest()).status == SERVING, 20)
     call = stub.Submit(submit_request(CASE["prompt_tokens"], 12, ignore_eos=True), timeout=60)
     events = []
     for ev in call:
@@ -290,6 +296,7 @@ def test_sigterm_finishes_in_flight_then_exits(fragile):
         if len(events) == 2:
             procs["scheduler"].send_signal(signal.SIGTERM)
             time.sleep(0.3)
+            assert wait_for(lambda: not grpc_health.check(stub.address), 5)    # NOT_SERVING while draining
             with pytest.raises(grpc.RpcError) as err:
                 collect(stub, submit_request(CASE["prompt_tokens"], 2), timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -389,7 +396,7 @@ def test_several_decode_steps_a_worker_call_over_grpc(tmp_path):
     channel = grpc.insecure_channel(addr)
     try:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        assert wait_for(lambda: stub.Health(common_pb2.HealthRequest()).status == SERVING, 30)
+        assert wait_for(lambda: stub.Stats(scheduler_pb2.StatsRequest()).status == SERVING, 30)
         tokens, last, events = collect(stub, submit_request(CASE["prompt_tokens"], 12, ignore_eos=True))
         n = greedy_prefix_to_check(CASE)
         assert tokens[:n] == CASE["greedy_continuation"][:n] and len(tokens) == 12

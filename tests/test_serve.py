@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from conftest import load_fixture
-from processes import pid_alive, start_with_ready_file, stop
+from processes import pid_alive, start_with_ready_file, stop, wait_for
+from shared import grpc_health
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from shared.sampling_params import SamplingParams
 
@@ -94,6 +95,7 @@ def test_dead_worker_gives_clear_errors_and_the_router_stays_up(tmp_path):
     try:
         base = f"http://{info['http']}"
         assert httpx.get(base + "/health", timeout=10).status_code == 200
+        assert wait_for(lambda: grpc_health.check(info["grpc"]), 5)
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         stream = client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=400,
                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
@@ -109,6 +111,7 @@ def test_dead_worker_gives_clear_errors_and_the_router_stays_up(tmp_path):
             assert time.monotonic() < deadline, "health still says ok after the worker died"
             time.sleep(0.2)
         assert health.status_code == 503 and "worker" in health.text.lower()
+        assert wait_for(lambda: not grpc_health.check(info["grpc"]), 5)     # the standard service agrees
         response = httpx.post(base + "/v1/completions", timeout=30,
                               json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2})
         assert response.status_code == 503

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from shared import shm
-from shared import tensor_codec
 from shared.shm import SHM_DIR, ShmArena, ShmReader, TensorRef, sweep_stale_segments
 from shared.tensor_codec import TensorCodec, is_local_address, resolve_transport
 
@@ -136,13 +135,11 @@ def test_shm_codec_sends_small_arrays_inline():
         codec.close()
 
 
-def test_transport_setting(monkeypatch):
-    monkeypatch.delenv(tensor_codec.TRANSPORT_ENV, raising=False)
+def test_transport_setting():
     assert resolve_transport(None, "127.0.0.1:50052") == "shm"
     assert resolve_transport(None, "worker:50052") == "inline"
     assert resolve_transport("inline", "localhost:1") == "inline"
-    monkeypatch.setenv(tensor_codec.TRANSPORT_ENV, "inline")
-    assert resolve_transport(None, "[::1]:50052") == "inline"
+    assert resolve_transport("auto", "[::1]:50052") == "shm"
     with pytest.raises(ValueError, match="shm, inline or auto"):
         resolve_transport("rdma")
     assert all(is_local_address(a) for a in ("localhost:5", "[::1]:5", "127.0.0.2:5", "unix:/tmp/s", "::1"))

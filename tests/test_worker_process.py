@@ -16,6 +16,7 @@ import pytest
 
 from processes import start_with_ready_file, stop
 from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from shared import grpc_health
 from shared.sampling_params import SamplingParams
 from shared.shm import SHM_DIR
 from shared.tensor_codec import TensorCodec
@@ -84,7 +85,7 @@ def worker(tmp_path_factory):
 def runner():
     """The in-process expectation: the same ModelRunner the worker wraps, with the same KV budget."""
     from shared.model_registry import resolve_model
-    from worker.main import parse_size
+    from shared.options import parse_size
     from worker.model_runner import ModelRunner
     return ModelRunner(resolve_model(MODEL), kv_memory=parse_size(KV_MEMORY))
 
@@ -110,9 +111,12 @@ def test_describe_reports_capacity(worker, runner):
 
 def test_health_serving(worker):
     _, _, stub = worker
-    h = stub.Health(common_pb2.HealthRequest(), timeout=10)
-    assert h.status == common_pb2.SERVING_STATUS_SERVING
-    assert MODEL in h.message and "blocks" in h.message
+    # the standard grpc.health.v1 service, for the server and for the Worker service
+    address = worker[1]
+    assert grpc_health.check(address) and grpc_health.check(address, "tensorserve.v1.Worker")
+    assert not grpc_health.check(address, "tensorserve.v1.NoSuchService")
+    d = stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
+    assert d.num_blocks > 0 and d.model_name == MODEL
 
 
 def test_prefill_matches_in_process_runner(worker, runner, fixture_case):
@@ -171,7 +175,7 @@ def test_step_stream_answers_pipelined_steps_in_order(worker, fixture_case):
         list(stub.StepStream(iter([step_request_to_proto(bad, step_id=1)]), timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token ids" in info.value.details()
     stub.Step(worker_pb2.StepRequest(finished=[114]), timeout=10)
-    assert stub.Health(common_pb2.HealthRequest(), timeout=10).status == common_pb2.SERVING_STATUS_SERVING
+    assert grpc_health.check(worker[1])
 
 
 def test_shm_and_inline_transports_agree(worker, runner, fixture_case):
@@ -229,7 +233,7 @@ def test_bad_steps_are_invalid_argument_and_worker_stays_up(worker):
         stub.Step(ref, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gone" in info.value.details()
     stub.Step(worker_pb2.StepRequest(finished=[104, 105, 106, 107, 108, 109, 110]), timeout=10)
-    assert stub.Health(common_pb2.HealthRequest(), timeout=10).status == common_pb2.SERVING_STATUS_SERVING
+    assert grpc_health.check(worker[1])
     assert worker[0].poll() is None
 
 
@@ -263,10 +267,10 @@ def test_max_context_too_large_fails_at_start_with_numbers():
     proc = subprocess.run([sys.executable, "-m", "worker.main", "--model", MODEL, "--kv-memory", "8MiB",
                            "--max-context", "4096"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=60)
-    assert proc.returncode != 0
-    assert "4096" in proc.stderr                     # what was asked
-    assert "holds 11" in proc.stderr and "fits 176 tokens" in proc.stderr   # what the budget holds
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2
+    assert "--max-context 4096 (flag)" in proc.stderr            # what was asked, and where
+    assert "--kv-memory 8MiB (flag) holds 176 tokens" in proc.stderr   # what the budget holds
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_kill9_leaves_nothing_after_restart_and_sigterm_exits_clean(tmp_path):
@@ -321,4 +325,4 @@ def test_a_request_of_several_steps_decodes_as_llama_cpp(worker, fixture_case, p
     with pytest.raises(grpc.RpcError) as info:
         stub.Step(step_request_to_proto(StepRequest([chunk(132, [1, 2, 3], 0, [0], 3)], num_steps=2)), timeout=180)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one decode token" in info.value.details()
-    assert stub.Health(common_pb2.HealthRequest(), timeout=10).status == common_pb2.SERVING_STATUS_SERVING
+    assert grpc_health.check(worker[1])

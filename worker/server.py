@@ -26,7 +26,8 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.tensorserve.v1 import worker_pb2, worker_pb2_grpc
+from shared.grpc_health import HealthReporter
 from shared.shm import ShmArena, ShmReader
 from shared.tensor_codec import TensorCodec, is_local_address
 from shared.step import StepRequest
@@ -64,6 +65,9 @@ def peer_host(peer: str) -> str:
     return peer
 
 
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, model_name: str, backend: str, transport: str = "auto",
                  model_thread: futures.ThreadPoolExecutor | None = None):
@@ -74,6 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.backend = backend
         self.transport = transport
         self.hostname = socket.gethostname()
+        self.health: HealthReporter | None = None      # the grpc.health.v1 service, set by start_server
         self._lock = threading.Condition()
         self._last_step_id = 0           # steps run in the order the scheduler numbered them
         self._reader = ShmReader()
@@ -270,18 +275,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def ImportBlocks(self, request, context):
         context.abort(grpc.StatusCode.UNIMPLEMENTED, UNIMPLEMENTED_BLOCKS.format("ImportBlocks"))
 
-    def Health(self, request, context):
-        cap = self.runner.capacity
-        if self._closed:
-            return common_pb2.HealthResponse(status=common_pb2.SERVING_STATUS_NOT_SERVING,
-                                             message="worker is shutting down")
-        return common_pb2.HealthResponse(
-            status=common_pb2.SERVING_STATUS_SERVING,
-            message=(f"{self.model_name} ({self.runner.config.architecture}) on {self.backend}: "
-                     f"{cap.num_blocks} KV blocks x {cap.block_size} tokens, max context {cap.max_context}"))
-
     def close(self) -> None:
-        """Refuses further steps and unlinks this worker's shared-memory segments."""
+        """Refuses further steps, reports NOT_SERVING, and unlinks this worker's shared-memory segments."""
+        if self.health is not None:
+            self.health.shutdown()
         with self._lock:
             self._closed = True
             self._lock.notify_all()
@@ -300,6 +297,8 @@ def start_server(servicer: WorkerServicer, host: str, port: int, max_workers: in
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="worker-rpc"),
                          options=options)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    # the model is loaded before the server starts: SERVING from the first answer until close()
+    servicer.health = HealthReporter(server, [WORKER_SERVICE], serving=True)
     target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     bound = server.add_insecure_port(target)
     if bound == 0:

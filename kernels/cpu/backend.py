@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, switches
 from kernels.cpu import (attention, decode_attention, elementwise, get_rows, graph_capture, graph_replay, int8_matmul,
                          quantized)
 from kernels.cpu.arena import HugePageArena, resident_zeros
@@ -54,18 +53,14 @@ class Linear:
     int8: Int8Matrix | None = None
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no")
-
-
 class CPUBackend:
     name = "cpu"
 
     def __init__(self, quantized_matmul: bool | None = None, int8: bool | None = None) -> None:
         if quantized_matmul is None:     # TS_QUANTIZED_MATMUL=0: every product in float32 (OpenBLAS)
-            quantized_matmul = _env_flag("TS_QUANTIZED_MATMUL")
+            quantized_matmul = switches.enabled(switches.QUANTIZED_MATMUL)
         if int8 is None:                 # TS_INT8_MATMUL=0: no 8-bit products, even where the CPU has VNNI
-            int8 = _env_flag("TS_INT8_MATMUL")
+            int8 = switches.enabled(switches.INT8_MATMUL)
         self.quantized_matmul = quantized_matmul and quantized.available()
         self.int8_allowed = self.quantized_matmul and int8 and int8_matmul.available()
         self.int8_matmul = False        # set by plan_weights for a model whose every matrix has byte codes
@@ -75,7 +70,7 @@ class CPUBackend:
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
         self._rope_rows_of: dict[tuple[float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # TS_GRAPH_REPLAY=0: every pass calls the kernels one at a time
-        self.graph_replay = _env_flag("TS_GRAPH_REPLAY") and graph_replay.available()
+        self.graph_replay = switches.enabled(switches.GRAPH_REPLAY) and graph_replay.available()
         self._replays: dict[tuple[int, int, int, bool], graph_replay.Replay | None] = {}
         self._arena = HugePageArena()
 

@@ -10,15 +10,15 @@ OPENBLAS_CORETYPE=Haswell makes prompts' sgemm match as well.
 """
 from __future__ import annotations
 
-import os
+from kernels import switches
 
-MAX_CPU_ISA_ENV = "TS_MAX_CPU_ISA"
+MAX_CPU_ISA_ENV = switches.MAX_CPU_ISA
 MAX_CPU_ISAS = ("avx512", "avx2")
 _AVX512_PREFIXES = ("avx512", "avx10", "amx", "evex512")
 
 
 def max_cpu_isa() -> str:
-    value = os.environ.get(MAX_CPU_ISA_ENV, "").strip().lower() or "avx512"
+    value = switches.max_cpu_isa() or "avx512"
     if value not in MAX_CPU_ISAS:
         raise ValueError(f"{MAX_CPU_ISA_ENV}={value!r} is not one of {', '.join(MAX_CPU_ISAS)}: unset it to use "
                          f"every instruction set the CPU has, or set it to avx2 to leave AVX-512 out")

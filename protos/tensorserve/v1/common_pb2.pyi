@@ -111,10 +111,6 @@ class ErrorDetail(_message.Message):
     param: str
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
-class HealthRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class ComponentHealth(_message.Message):
     __slots__ = ("name", "status", "message")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -124,13 +120,3 @@ class ComponentHealth(_message.Message):
     status: ServingStatus
     message: str
     def __init__(self, name: _Optional[str] = ..., status: _Optional[_Union[ServingStatus, str]] = ..., message: _Optional[str] = ...) -> None: ...
-
-class HealthResponse(_message.Message):
-    __slots__ = ("status", "message", "components")
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
-    status: ServingStatus
-    message: str
-    components: _containers.RepeatedCompositeFieldContainer[ComponentHealth]
-    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., message: _Optional[str] = ..., components: _Optional[_Iterable[_Union[ComponentHealth, _Mapping]]] = ...) -> None: ...

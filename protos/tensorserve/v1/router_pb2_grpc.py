@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from protos.tensorserve.v1 import common_pb2 as tensorserve_dot_v1_dot_common__pb2
 from protos.tensorserve.v1 import router_pb2 as tensorserve_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -55,11 +54,6 @@ class GenerationStub:
                 request_serializer=tensorserve_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tensorserve_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
-        self.Health = channel.unary_unary(
-                '/tensorserve.v1.Generation/Health',
-                request_serializer=tensorserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=tensorserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
-                _registered_method=True)
 
 
 class GenerationServicer:
@@ -91,12 +85,6 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,11 +107,6 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tensorserve_dot_v1_dot_router__pb2.ListModelsRequest.FromString,
                     response_serializer=tensorserve_dot_v1_dot_router__pb2.ListModelsResponse.SerializeToString,
-            ),
-            'Health': grpc.unary_unary_rpc_method_handler(
-                    servicer.Health,
-                    request_deserializer=tensorserve_dot_v1_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=tensorserve_dot_v1_dot_common__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,33 +217,6 @@ class Generation:
             '/tensorserve.v1.Generation/ListModels',
             tensorserve_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
             tensorserve_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Health(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tensorserve.v1.Generation/Health',
-            tensorserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
-            tensorserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from protos.tensorserve.v1 import common_pb2 as tensorserve_dot_v1_dot_common__pb2
 from protos.tensorserve.v1 import scheduler_pb2 as tensorserve_dot_v1_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -50,11 +49,6 @@ class SchedulerStub:
                 request_serializer=tensorserve_dot_v1_dot_scheduler__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tensorserve_dot_v1_dot_scheduler__pb2.StatsResponse.FromString,
                 _registered_method=True)
-        self.Health = channel.unary_unary(
-                '/tensorserve.v1.Scheduler/Health',
-                request_serializer=tensorserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=tensorserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
-                _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/tensorserve.v1.Scheduler/RegisterWorker',
                 request_serializer=tensorserve_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.SerializeToString,
@@ -86,12 +80,6 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def RegisterWorker(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -115,11 +103,6 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tensorserve_dot_v1_dot_scheduler__pb2.StatsRequest.FromString,
                     response_serializer=tensorserve_dot_v1_dot_scheduler__pb2.StatsResponse.SerializeToString,
-            ),
-            'Health': grpc.unary_unary_rpc_method_handler(
-                    servicer.Health,
-                    request_deserializer=tensorserve_dot_v1_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=tensorserve_dot_v1_dot_common__pb2.HealthResponse.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
@@ -208,33 +191,6 @@ class Scheduler:
             '/tensorserve.v1.Scheduler/Stats',
             tensorserve_dot_v1_dot_scheduler__pb2.StatsRequest.SerializeToString,
             tensorserve_dot_v1_dot_scheduler__pb2.StatsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Health(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tensorserve.v1.Scheduler/Health',
-            tensorserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
-            tensorserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

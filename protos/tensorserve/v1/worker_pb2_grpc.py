@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from protos.tensorserve.v1 import common_pb2 as tensorserve_dot_v1_dot_common__pb2
 from protos.tensorserve.v1 import worker_pb2 as tensorserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -60,11 +59,6 @@ class WorkerStub:
                 request_serializer=tensorserve_dot_v1_dot_worker__pb2.ImportBlocksRequest.SerializeToString,
                 response_deserializer=tensorserve_dot_v1_dot_worker__pb2.ImportBlocksResponse.FromString,
                 _registered_method=True)
-        self.Health = channel.unary_unary(
-                '/tensorserve.v1.Worker/Health',
-                request_serializer=tensorserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
-                response_deserializer=tensorserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
-                _registered_method=True)
 
 
 class WorkerServicer:
@@ -105,12 +99,6 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,11 +126,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ImportBlocks,
                     request_deserializer=tensorserve_dot_v1_dot_worker__pb2.ImportBlocksRequest.FromString,
                     response_serializer=tensorserve_dot_v1_dot_worker__pb2.ImportBlocksResponse.SerializeToString,
-            ),
-            'Health': grpc.unary_unary_rpc_method_handler(
-                    servicer.Health,
-                    request_deserializer=tensorserve_dot_v1_dot_common__pb2.HealthRequest.FromString,
-                    response_serializer=tensorserve_dot_v1_dot_common__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,33 +263,6 @@ class Worker:
             '/tensorserve.v1.Worker/ImportBlocks',
             tensorserve_dot_v1_dot_worker__pb2.ImportBlocksRequest.SerializeToString,
             tensorserve_dot_v1_dot_worker__pb2.ImportBlocksResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Health(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tensorserve.v1.Worker/Health',
-            tensorserve_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
-            tensorserve_dot_v1_dot_common__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

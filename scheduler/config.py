@@ -1,0 +1,35 @@
+"""The scheduler's configuration: every option of `tensorserve scheduler`, defined once (see shared/options.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.common_config import DrainOptions, LoggingOptions, TransportOptions
+from shared.options import Address, Flag, Integer, Number, Port, Text, option
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(TransportOptions, DrainOptions, LoggingOptions):
+    host: str = option("127.0.0.1", "address the scheduler listens on", Text(metavar="HOST"),
+                       env="TS_SCHEDULER_HOST", internal=True)
+    port: int = option(0, "gRPC port of the scheduler, 0 = a free one", Port(), env="TS_SCHEDULER_PORT",
+                       internal=True)
+    worker: str | None = option(None, "worker host:port to dial; optional when the worker registers itself "
+                                "(RegisterWorker)", Address(), env="TS_WORKER_ADDRESS", internal=True)
+    ready_file: str | None = option(None, 'write {"address": "host:port", "pid": N} here once listening',
+                                    Text(metavar="FILE"), env="TS_SCHEDULER_READY_FILE", internal=True)
+    max_num_seqs: int = option(64, "sequences running at once at most", Integer(1))
+    max_num_batched_tokens: int = option(256, "tokens computed per engine step at most (the prefill chunk "
+                                         "budget; on a CPU worker a 256-token chunk is a ~0.4 s step)", Integer(1))
+    max_prefill_tokens_while_decoding: int = option(
+        48, "prompt tokens a step that also decodes takes at most: a step's time is the running requests' "
+        "inter-token latency, so this bounds it while new prompts arrive", Integer(1))
+    num_decode_steps: int = option(1, "tokens a step that only decodes computes in one worker call (multi-step "
+                                   "scheduling): the host's work per step is paid once for all of them, and "
+                                   "tokens reach clients that many at a time", Integer(1, 64))
+    enable_prefix_caching: bool = option(True, "reuse the KV of blocks shared with earlier prompts", Flag())
+    redis_url: str | None = option(None, "Redis for prefix checkpoints, e.g. redis://redis:6379/0 (declared for "
+                                   "compose; prefix checkpoints are not built yet, so nothing connects to it)",
+                                   Text(metavar="URL"))
+    worker_probe_after: float = option(10.0, "seconds a worker step may run before the scheduler asks the "
+                                       "worker's health, and drops the connection if no answer comes",
+                                       Number(0, exclusive=True), env="TS_WORKER_PROBE_AFTER_S")

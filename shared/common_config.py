@@ -1,0 +1,117 @@
+"""Options that more than one process takes, each defined once here and inherited by the
+configurations that need it (`router/config.py`, `scheduler/config.py`, `worker/config.py`)."""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shared.blas_threads import set_compute_threads
+from shared.options import Choice, ConfigError, Kind, Number, Option, Resolved, Text, option, options_of, resolve
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL_CACHE = "~/.cache/tensorserve"
+
+
+class ModelRef(Kind):
+    """A bundled model's name or a GGUF path; `check_model` then opens it (read at start, not here,
+    so that parsing a command line stays cheap)."""
+    metavar = "MODEL"
+
+    def __init__(self) -> None:
+        from shared.model_registry import BUNDLED
+        self.accepted = f"a bundled model ({', '.join(BUNDLED)}) or the path of a GGUF file"
+
+    def parse(self, text: str) -> str:
+        from pathlib import Path
+
+        from shared.model_registry import BUNDLED
+        text = text.strip()
+        if text not in BUNDLED and not Path(text).expanduser().is_file():
+            raise ValueError(f"{text!r} is neither a bundled model nor an existing file")
+        return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingOptions:
+    log_level: str = option("info", "logging level", Choice(*LOG_LEVELS))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    model: str = option(DEFAULT_MODEL, "bundled model name (see `tensorserve models`) or path to a GGUF file",
+                        ModelRef(), short="-m")
+    model_cache: str = option(DEFAULT_MODEL_CACHE, "folder where bundled models assembled on first use "
+                              "(gemma3-270m) are kept", Text(metavar="DIR"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrainOptions:
+    grace_period: float = option(10.0, "seconds in-flight requests get to finish after SIGTERM or Ctrl-C",
+                                 Number(0), aliases=("--shutdown-grace",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportOptions:
+    tensor_transport: str = option("auto", "how step tensors travel between scheduler and worker: shared "
+                                   "memory (same host), inline bytes, or auto (shared memory for a peer on "
+                                   "this host)", Choice("auto", "shm", "inline"))
+
+
+def setup_logging(level: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
+    logging.basicConfig(level=level.upper(), format=fmt)
+
+
+def log_effective(process: str, resolved: Resolved) -> None:
+    """The options that differ from their defaults, and where each came from, once at start (as
+    vLLM logs its non-default arguments); shown unless the level is above INFO."""
+    log = logging.getLogger(f"tensorserve.config.{process}")
+    if log.getEffectiveLevel() == logging.WARNING:
+        log.setLevel(logging.INFO)
+    items = resolved.non_default()
+    log.info("%s options not at their defaults: %s", process, "; ".join(items) if items else "none")
+
+
+def check_model(resolved: Resolved) -> str:
+    """Opens the model's GGUF header and metadata (no weights): a missing package or a bad file
+    is an error at the door. Returns its path."""
+    from shared.errors import TensorServeError
+    from shared.gguf_file import GGUFFile
+    from shared.model_registry import resolve_model, set_cache_dir
+    set_cache_dir(resolved.values["model_cache"])
+    try:
+        path = resolve_model(resolved.values["model"])
+        GGUFFile(path)
+    except (TensorServeError, OSError) as exc:
+        raise ConfigError(f"{resolved.where('model')}: {exc}") from None
+    return str(path)
+
+
+def configure(process: str, cls: type | None, flags: Any, check: Callable[[Resolved], None] | None = None,
+              options: list[Option] | None = None, announce: bool = True) -> tuple[Any, Resolved] | int:
+    """A command's configuration (an instance of `cls`, if given) from its parsed flags, the
+    environment and --config. Returns the exit status instead when there is nothing more to do:
+    0 after --print-config, 2 after a bad value (one line on stderr, before anything starts)."""
+    options = options if options is not None else options_of(cls)
+    try:
+        resolved = resolve(options, flags, config_file=getattr(flags, "config", None))
+        if getattr(flags, "print_config", False):
+            print(resolved.to_yaml(), end="")
+            return 0
+        config = resolved.build(cls) if cls is not None else None
+        if "threads" in resolved.values:          # before the checks load numpy
+            set_compute_threads(resolved.values["threads"])
+        if "model_cache" in resolved.values:
+            from shared.model_registry import set_cache_dir
+            set_cache_dir(resolved.values["model_cache"])
+        setup_logging(resolved.values["log_level"])
+        if check is not None:
+            check(resolved)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if announce:
+        log_effective(process, resolved)
+    return config, resolved

@@ -1,0 +1,59 @@
+"""The worker's configuration: every option of `tensorserve worker`, defined once (see shared/options.py)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shared.common_config import LoggingOptions, ModelOptions, TransportOptions, check_model
+from shared.options import Choice, ConfigError, Integer, Port, Resolved, Size, Text, option
+
+DEFAULT_KV_MEMORY = 512 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig(TransportOptions, LoggingOptions, ModelOptions):
+    host: str = option("127.0.0.1", "address the worker listens on", Text(metavar="HOST"), env="TS_WORKER_HOST", internal=True)
+    port: int = option(0, "gRPC port of the worker, 0 = a free one (printed)", Port(), env="TS_WORKER_PORT",
+                       internal=True)
+    ready_file: str | None = option(None, 'write {"address": "host:port", "pid": N, ...} here once listening',
+                                    Text(metavar="FILE"), env="TS_WORKER_READY_FILE", internal=True)
+    kv_memory: int = option(DEFAULT_KV_MEMORY, "memory of the KV block pool, allocated and made resident at "
+                            "start as llama.cpp's KV buffer is", Size())
+    block_size: int = option(16, "tokens per KV block", Integer(1, 4096))
+    max_context: int | None = option(None, "hard context length of a sequence; refused at start when "
+                                     "--kv-memory cannot hold it (default: what the memory and the model allow)",
+                                     Integer(1), aliases=("--max-model-len",))
+    backend: str = option("auto", "kernels backend: cpu, or auto (the device found)", Choice("auto", "cpu"))
+    threads: int | None = option(None, "compute threads of the worker (numba and OpenBLAS; default: one "
+                                 "per core)", Integer(1))
+
+
+def check(resolved: Resolved) -> None:
+    """What can be known before the weights load: the model opens, and --max-context fits in
+    --kv-memory for this model (from its metadata)."""
+    from shared.gguf_file import GGUFFile
+    from shared.model_config import ModelConfig
+    from worker.kv_pool import bytes_per_block, plan_capacity
+    path = check_model(resolved)
+    v = resolved.values
+    config = ModelConfig.from_gguf(GGUFFile(path))
+    per_block = bytes_per_block(config, v["block_size"])
+    fits = (v["kv_memory"] // per_block) * v["block_size"]
+    if fits < v["block_size"]:
+        raise ConfigError(f"{resolved.where('kv_memory')}: holds no KV block of {v['model']} "
+                          f"({per_block} bytes at block size {v['block_size']}); give it at least that")
+    if v["max_context"] is None:
+        return
+    kv_log = logging.getLogger("worker.kv_pool")
+    quiet, kv_log.disabled = kv_log.disabled, True      # the runner logs the plan once it is real
+    try:
+        plan_capacity(config, v["kv_memory"], v["block_size"], v["max_context"])
+    except ValueError:
+        if v["max_context"] > config.context_length:
+            raise ConfigError(f"{resolved.where('max_context')}: exceeds the trained context of {v['model']}, "
+                              f"{config.context_length} tokens; accepted: 1..{config.context_length}") from None
+        raise ConfigError(f"{resolved.where('max_context')}: {resolved.where('kv_memory')} holds {fits} tokens "
+                          f"of {v['model']}'s KV at block size {v['block_size']}; lower the context or raise "
+                          "--kv-memory") from None
+    finally:
+        kv_log.disabled = quiet
