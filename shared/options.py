@@ -365,6 +365,8 @@ def resolve(options: list[Option], flags: argparse.Namespace | Mapping[str, Any]
     given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
     environ = os.environ if environ is None else environ
     file_values = read_config_file(config_file) if config_file else {}
+    aliases = {a.lstrip("-").replace("-", "_"): o.name for o in options for a in o.spec.aliases}
+    file_values = {aliases.get(k, k): v for k, v in file_values.items()}      # e.g. max_model_len, port
     known = {o.name for o in options}
     unknown = sorted(set(file_values) - known)
     if unknown:

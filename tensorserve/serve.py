@@ -1,5 +1,8 @@
 """`tensorserve serve`: worker, scheduler and router as child processes on localhost.
 
+Every option of the three processes that a user sets is a flag (and TS_* variable and --config
+key) here; serve hands each to the process that uses it and sets the rest itself.
+
 Internal ports are chosen free (each child reports its address in a ready
 file); the public ones are the router's --http-port and --grpc-port. SIGTERM
 or Ctrl-C stops the router first (it finishes in-flight requests within the

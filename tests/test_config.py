@@ -138,6 +138,9 @@ def test_precedence_flag_over_environment_over_file_over_default(tmp_path):
     options = options_of(SchedulerConfig)
     path = tmp_path / "c.yaml"
     path.write_text("max_num_seqs: 7\nmax_num_batched_tokens: 100\nnum-decode-steps: 3\n")
+    aliased = tmp_path / "vllm.yaml"
+    aliased.write_text("max_model_len: 2048\n")      # vLLM's names work as keys too
+    assert resolve(options_of(WorkerConfig), {}, environ={}, config_file=str(aliased)).values["max_context"] == 2048
     r = resolve(options, {"max_num_seqs": "5"}, environ={"TS_MAX_NUM_SEQS": "6", "TS_MAX_NUM_BATCHED_TOKENS": "99"},
                 config_file=str(path))
     assert (r.values["max_num_seqs"], r.values["max_num_batched_tokens"], r.values["num_decode_steps"],
