@@ -191,7 +191,9 @@ class Frontend:
             raise FrontendError(msg, 400, code="invalid_value", param=param) from None
         return params
 
-    async def check_prompt_length(self, prompt_ids: list[int]) -> None:
+    async def check_prompt_length(self, prompt_ids: list[int], max_tokens: int | None = None) -> None:
+        """The prompt fits, with at least one token to generate; with `max_tokens`, both fit (vLLM's
+        rule: a request the context cannot finish is refused, naming both numbers)."""
         if not prompt_ids:
             raise FrontendError("the prompt is empty (no tokens); send some text", 400,
                                 code="invalid_prompt", param="prompt")
@@ -200,6 +202,11 @@ class Frontend:
             raise FrontendError(f"prompt has {len(prompt_ids)} tokens but the context holds {m} "
                                 "(at least one must be left to generate); shorten the prompt",
                                 400, code="context_length_exceeded", param="prompt")
+        if m and max_tokens is not None and len(prompt_ids) + max_tokens > m:
+            raise FrontendError(f"this model's context holds {m} tokens, but {len(prompt_ids) + max_tokens} "
+                                f"were requested ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+                                f"completion); lower max_tokens to at most {m - len(prompt_ids)} or shorten "
+                                "the prompt", 400, code="context_length_exceeded", param="max_tokens")
 
     @staticmethod
     def new_request_id(prefix: str = "req") -> str:

@@ -7,8 +7,9 @@ GET /metrics. Errors use OpenAI's shape ``{"error": {"message", "type",
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
-import json
 import time
 from typing import AsyncIterator
 
@@ -17,7 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router import openapi_schemas as schemas
 from router import openai_shapes as oa
+from router import request_limits as limits
 from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from shared.sampling_params import MAX_LOGPROBS
@@ -32,7 +35,7 @@ _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 # ----------------------------------------------------------------------------- the app
 def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="TensorServe", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="TensorServe", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.frontend = frontend
     expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -61,14 +64,15 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         return oa.error(exc)
 
     async def read_json(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise oa.bad(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise oa.bad("the request body must be a JSON object", None, code="invalid_json")
-        return body
+        limits.check_content_type(request.headers.get("content-type"))
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit():
+            limits.check_size(int(declared))         # before reading a byte of it
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            limits.check_size(len(raw))
+        return limits.parse_json_body(bytes(raw))
 
     # ------------------------------------------------------------------ /v1/completions
     async def prepare_completion(body: dict) -> tuple[Prepared, bool, bool]:
@@ -99,7 +103,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         score_only = echo and max_tokens == 0
         params = frontend.make_params(max_tokens=1 if score_only else max_tokens, logprobs=logprobs,
                                       **oa.common_sampling(body))
-        await frontend.check_prompt_length(ids)
+        await frontend.check_prompt_length(ids, None if score_only else params.max_tokens)
         p = Prepared(frontend.new_request_id("cmpl"), ids, text, params, oa.get_stop(body), echo=echo,
                      prompt_logprobs=logprobs if echo else None, endpoint="completions")
         p.score_only = score_only  # type: ignore[attr-defined]
@@ -109,10 +113,10 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         """Parse and validate a request, then start its generation: (prepared, stream?, usage?, events, first event)."""
         p, stream, include_usage = await prepare(await read_json(request))
         metrics.prompt_tokens.inc(len(p.prompt_ids))
-        gen = _events(frontend, p)
+        gen = _events(frontend, p, request)
         return p, stream, include_usage, gen, await _prime(gen)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=schemas.body(schemas.COMPLETION_REQUEST))
     async def completions(request: Request):
         t0 = time.perf_counter()
         endpoint = "/v1/completions"
@@ -171,6 +175,8 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
                             yield oa.sse({"id": p.request_id, "object": "text_completion", "created": created,
                                         "model": model, "choices": [], "usage": oa.usage(ev)})
                 yield oa.DONE
+            except ClientDisconnected:
+                status = 499             # nginx's 'client closed request'
             finally:
                 await gen.aclose()
                 metrics.count(endpoint, status)
@@ -187,6 +193,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise oa.bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+            limits.check_role(m["role"], i)
             content = m.get("content")
             if content is None:
                 content = ""
@@ -221,14 +228,17 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         ids, text = frontend.encode_chat(messages)
         await frontend.check_prompt_length(ids)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        asked = max_tokens is not None
         if max_tokens is None:
             max_tokens = max(1, frontend.max_context - len(ids))
         params = frontend.make_params(max_tokens=max_tokens, logprobs=(top or 0) if want_lp else None,
                                       **oa.common_sampling(body))
+        if asked:
+            await frontend.check_prompt_length(ids, params.max_tokens)
         p = Prepared(frontend.new_request_id("chatcmpl"), ids, text, params, oa.get_stop(body), endpoint="chat")
         return p, stream, include_usage
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=schemas.body(schemas.CHAT_COMPLETION_REQUEST))
     async def chat_completions(request: Request):
         t0 = time.perf_counter()
         endpoint = "/v1/chat/completions"
@@ -291,6 +301,8 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
                                             "created": created, "model": model, "choices": [],
                                             "usage": oa.usage(ev)})
                 yield oa.DONE
+            except ClientDisconnected:
+                status = 499             # nginx's 'client closed request'
             finally:
                 await gen.aclose()
                 metrics.count(endpoint, status)
@@ -334,19 +346,50 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
 
 
 # ----------------------------------------------------------------------------- event plumbing
-async def _events(frontend: Frontend, p: Prepared):
-    """frontend.generate, with echo-only scoring (echo + max_tokens 0) cut after the prompt."""
+class ClientDisconnected(FrontendError):
+    def __init__(self) -> None:
+        super().__init__("the client closed the connection", 499, code="client_disconnected")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read by then, so only http.disconnect comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(frontend: Frontend, p: Prepared, request: Request | None = None):
+    """frontend.generate, with echo-only scoring (echo + max_tokens 0) cut after the prompt. A
+    client that disconnects (streamed or not, before its first token or after) ends the
+    generation at once: closing `frontend.generate` cancels the scheduler call, which aborts the
+    sequence at the next step boundary and frees its blocks."""
     score_only = getattr(p, "score_only", False)
     agen = frontend.generate(p)
+    watcher = asyncio.ensure_future(_disconnected(request)) if request is not None else None
+    step = None
     try:
-        async for ev in agen:
+        while True:
+            step = asyncio.ensure_future(agen.__anext__())
+            if watcher is not None:
+                await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    raise ClientDisconnected()
+            try:
+                ev = await step
+            except StopAsyncIteration:
+                return
             if score_only and isinstance(ev, DeltaEvent):
                 continue
             if score_only and isinstance(ev, FinishEvent) and ev.error is None:
                 ev.completion_tokens = 0
                 ev.finish_reason = "length"
             yield ev
-    finally:
+    finally:                 # the client left, or the response was cancelled: stop the pending read first
+        if watcher is not None:
+            watcher.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            with contextlib.suppress(BaseException):
+                await step
         await agen.aclose()
 
 

@@ -79,6 +79,7 @@ async def serve(args: RouterConfig) -> int:
 
     from protos.tensorserve.v1 import router_pb2, router_pb2_grpc
     from shared.grpc_health import SERVICE_NAME as HEALTH_SERVICE
+    from shared.grpc_errors import AsyncDecodeErrorInterceptor
     from shared.grpc_health import AsyncHealthReporter
     from router.frontend import Frontend
     from router.http_api import create_app
@@ -92,7 +93,7 @@ async def serve(args: RouterConfig) -> int:
     frontend.metrics = metrics
 
     # gRPC
-    interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
+    interceptors = [AsyncDecodeErrorInterceptor(), *([ApiKeyInterceptor(args.api_key)] if args.api_key else [])]
     grpc_server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)])
     servicer = GenerationServicer(frontend, metrics)

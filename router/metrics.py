@@ -51,6 +51,8 @@ class RouterMetrics:
             "prefix_cache_hit_tokens": Counter("tensorserve_prefix_cache_hits",
                                                "Prompt tokens whose KV came from the prefix cache", registry=r),
             "preemptions": Counter("tensorserve_num_preemptions", "Sequences preempted for recompute", registry=r),
+            "tokens_computed": Counter("tensorserve_tokens_computed",
+                                       "Tokens the worker computed (prompt chunks and decodes)", registry=r),
         }
         self.scheduler_up = Gauge("tensorserve_scheduler_up", "1 when the last Stats call to the scheduler succeeded",
                                   registry=r)

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from router.frontend import FinishEvent, FrontendError, TokenLogprob
+from router.request_limits import check_stop
 
 
 def error(exc: FrontendError) -> JSONResponse:
@@ -40,11 +41,9 @@ def get_stop(body: dict) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop] if stop else []
+        return check_stop([stop] if stop else [])
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > 16:
-            raise bad("stop takes at most 16 strings", "stop")
-        return [s for s in stop if s]
+        return check_stop([s for s in stop if s])
     raise bad(f"stop must be a string or a list of strings, got {stop!r}", "stop")
 
 

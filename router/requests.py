@@ -33,10 +33,12 @@ class FrontendError(Exception):
 
 _GRPC_FOR_STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT, 415: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
     501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 _TYPE_FOR_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    413: "invalid_request_error", 415: "invalid_request_error", 499: "client_disconnected",
                     429: "rate_limit_error", 501: "not_implemented_error", 503: "service_unavailable",
                     504: "timeout_error"}
 

@@ -9,6 +9,7 @@ import grpc
 
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent, TokenLogprob
+from router import request_limits as limits
 from router.metrics import RouterMetrics
 from shared.grpc_health import SERVICE_NAME as HEALTH_SERVICE
 from shared.step_codec import sampling_params_from_proto
@@ -87,8 +88,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         elif which == "token_ids":
             ids = fe.check_token_ids(list(request.token_ids.ids))
         elif which == "chat":
-            messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                        for m in request.chat.messages]
+            messages = [{"role": limits.check_role(m.role, i), "content": m.content,
+                         **({"name": m.name} if m.name else {})} for i, m in enumerate(request.chat.messages)]
             if not messages:
                 raise FrontendError("chat has no messages", 400, code="invalid_messages", param="chat")
             ids, text = fe.encode_chat(messages)
@@ -100,9 +101,10 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
             params.validate()
         except ValueError as exc:
             raise FrontendError(str(exc), 400, code="invalid_value", param=str(exc).split(" ", 1)[0]) from None
-        await fe.check_prompt_length(ids)
+        asked = request.sampling.HasField("max_tokens")
+        await fe.check_prompt_length(ids, params.max_tokens if asked else None)
         return Prepared(request.request_id or fe.new_request_id("gen"), ids, text, params,
-                        [s for s in request.stop if s], echo=request.echo,
+                        limits.check_stop([s for s in request.stop if s]), echo=request.echo,
                         prompt_logprobs=params.logprobs if request.echo else None, endpoint="grpc.Generate")
 
     async def Generate(self, request, context):

@@ -13,6 +13,7 @@ import uuid
 import grpc
 
 from protos.tensorserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shared.grpc_errors import AsyncDecodeErrorInterceptor
 from shared.grpc_health import AsyncHealthReporter
 
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -138,7 +139,7 @@ def _same_model(name: str, d) -> bool:
 
 
 def build_server(core: SchedulerCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[AsyncDecodeErrorInterceptor()], options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),

@@ -3,7 +3,7 @@
 Ranges follow the OpenAI API where OpenAI defines the parameter (``temperature``
 in [0, 2], ``presence_penalty`` / ``frequency_penalty`` in [-2, 2], ``top_p`` in
 (0, 1], ``logprobs`` / ``top_logprobs`` in [0, 20]) and vLLM for the extensions
-(``top_k`` 0 or -1 disables it, ``min_p`` in [0, 1], ``repetition_penalty`` > 0).
+(``top_k`` 0 or -1 disables it, ``min_p`` in [0, 1], ``repetition_penalty`` in [0.01, 10]: logits are divided by it in float32).
 vLLM itself accepts any ``temperature >= 0``; we keep OpenAI's upper bound of 2
 because higher values only produce noise and OpenAI clients expect the error.
 
@@ -23,6 +23,7 @@ GREEDY_EPSILON = 1e-5
 MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20
 _PENALTY_RANGE = (-2.0, 2.0)
+_REPETITION_RANGE = (0.01, 10.0)     # 5e-324 is 0 in float32: the division made +inf logits
 
 
 def _is_int(x: object) -> bool:
@@ -87,8 +88,9 @@ class SamplingParams:
             fail("min_p", "a number in [0, 1]", m)
 
         r = self.repetition_penalty
-        if not _is_real(r) or not math.isfinite(r) or r <= 0.0:
-            fail("repetition_penalty", "a finite number > 0", r)
+        lo, hi = _REPETITION_RANGE
+        if not _is_real(r) or not math.isfinite(r) or not lo <= r <= hi:
+            fail("repetition_penalty", f"a number in [{lo:g}, {hi:g}]", r)
 
         lo, hi = _PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):

@@ -407,6 +407,7 @@ def test_rejects_nan_logits_and_mismatched_lengths():
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),      # 0 in float32: +inf logits (schemathesis found it)
     ({"presence_penalty": 2.1}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"logprobs": -1}, "logprobs"),

@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from protos.tensorserve.v1 import worker_pb2, worker_pb2_grpc
+from shared.grpc_errors import DecodeErrorInterceptor
 from shared.grpc_health import HealthReporter
 from shared.shm import ShmArena, ShmReader
 from shared.tensor_codec import TensorCodec, is_local_address
@@ -295,7 +296,7 @@ def start_server(servicer: WorkerServicer, host: str, port: int, max_workers: in
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="worker-rpc"),
-                         options=options)
+                         interceptors=[DecodeErrorInterceptor()], options=options)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     # the model is loaded before the server starts: SERVING from the first answer until close()
     servicer.health = HealthReporter(server, [WORKER_SERVICE], serving=True)
