@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PYTHON ?= python3
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-all bench profile-decode serve clean protos
+.PHONY: install test test-all bench profile-decode serve clean protos loadtest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,21 @@ serve: install
 
 bench: install
 	$(PY) loadtest/bench_forward.py
+
+# Locust load test (loadtest/locustfile.py): starts `tensorserve serve` on free ports, runs locust headless with
+# HTTP and gRPC users streaming (TAGS=http or TAGS=grpc for one of them), writes locust's CSV files to
+# $(CSV)_stats.csv etc., stops the server and fails when any request failed. SERVE_ARGS go to `tensorserve serve`,
+# LOCUST_ARGS to locust, e.g. make loadtest USERS=16 DURATION=2m SERVE_ARGS="--max-num-seqs 16"
+USERS      ?= 8
+SPAWN_RATE ?= 4
+DURATION   ?= 60s
+TAGS       ?=
+CSV        ?= /tmp/tensorserve-locust/locust
+SERVE_ARGS ?=
+LOCUST_ARGS ?=
+loadtest: install
+	$(PY) loadtest/run_locust.py --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) \
+	  --tags '$(TAGS)' --csv '$(CSV)' --serve-args '$(SERVE_ARGS)' -- $(LOCUST_ARGS)
 
 # where a single-sequence decode step's time goes, per thread and phase of the replayed region
 profile-decode: install

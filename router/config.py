@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.common_config import DrainOptions, LoggingOptions, ModelOptions, check_model
-from shared.options import Address, ConfigError, FilePath, Port, Resolved, Text, option
+from shared.common_config import DrainOptions, InternalOptions, LoggingOptions, ModelOptions, check_model
+from shared.options import Address, ConfigError, FilePath, Flag, Port, Resolved, Text, option
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterConfig(DrainOptions, LoggingOptions, ModelOptions):
+class RouterConfig(InternalOptions, DrainOptions, LoggingOptions, ModelOptions):
     host: str = option("127.0.0.1", "address the public APIs (HTTP and gRPC) listen on", Text(metavar="HOST"),
                        env="TS_ROUTER_HOST")
     http_port: int = option(8000, "OpenAI-compatible HTTP port, 0 = any free port", Port(), aliases=("--port",))
@@ -16,6 +16,8 @@ class RouterConfig(DrainOptions, LoggingOptions, ModelOptions):
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on HTTP /v1/* and this key in gRPC "
                                  "metadata (health checks and metrics stay open)", Text(metavar="KEY"),
                                  secret=True)
+    protect_metrics: bool = option(False, "require the API key on /health and /metrics too (open by default, as "
+                                   "vLLM's, for probes and scrapers)", Flag())
     served_model_name: str | None = option(None, "model id clients send and /v1/models lists (default: the "
                                            "bundled name or the GGUF file's stem)", Text(metavar="NAME"))
     chat_template: str | None = option(None, "a Jinja chat template file used instead of the GGUF's own",
@@ -27,7 +29,10 @@ class RouterConfig(DrainOptions, LoggingOptions, ModelOptions):
 
 
 def check(resolved: Resolved) -> None:
-    """The model opens, and a --chat-template file compiles."""
+    """The model opens, a --chat-template file compiles, and --protect-metrics has a key to ask for."""
+    if resolved.values["protect_metrics"] and not resolved.values["api_key"]:
+        raise ConfigError(f"{resolved.where('protect_metrics')}: there is no --api-key (TS_API_KEY) to protect "
+                          "/health and /metrics with; set one, or leave them open")
     check_model(resolved)
     path = resolved.values["chat_template"]
     if path is not None:

@@ -28,6 +28,7 @@ from router.requests import (  # noqa: F401  (re-exported for the front ends)
     DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent, StopStringMatcher, TokenLogprob, error_from_rpc)
 from router.tokenizer import Tokenizer
 from shared.gguf_file import GGUFFile
+from shared.grpc_auth import internal_metadata
 from shared.model_registry import model_name, resolve_model
 from shared.sampling_params import SamplingParams
 from shared.step_codec import sampling_params_to_proto
@@ -50,8 +51,9 @@ FINISH_NAMES = {
 class SchedulerClient:
     """The router's side of scheduler.proto, on a grpc.aio channel (created inside the running loop)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, internal_token: str | None = None):
         self.address = address
+        self.metadata = internal_metadata(internal_token)
         self._channel: grpc.aio.Channel | None = None
         self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
 
@@ -67,15 +69,16 @@ class SchedulerClient:
         return self._stub
 
     def submit(self, request: scheduler_pb2.SubmitRequest):
-        return self.stub.Submit(request)
+        return self.stub.Submit(request, metadata=self.metadata)
 
     async def stats(self, timeout: float = STATS_TIMEOUT_S) -> scheduler_pb2.StatsResponse:
-        return await self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=timeout)
+        return await self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=timeout, metadata=self.metadata)
 
 
     async def abort(self, request_id: str, timeout: float = 2.0) -> None:
         try:
-            await self.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout)
+            await self.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout,
+                                  metadata=self.metadata)
         except grpc.RpcError:
             pass
 
@@ -90,7 +93,7 @@ class Frontend:
     """One served model: tokenizer, chat template, validation, and generation through the scheduler."""
 
     def __init__(self, model: str, scheduler_address: str | None, served_model_name: str | None = None,
-                 metrics: Any = None, chat_template: str | None = None):
+                 metrics: Any = None, chat_template: str | None = None, internal_token: str | None = None):
         self.model_arg = model
         self.path: Path = resolve_model(model)
         gguf = GGUFFile(self.path)
@@ -116,7 +119,7 @@ class Frontend:
             self.fingerprint = ""
         del gguf
         self.created = int(self.path.stat().st_mtime)
-        self.scheduler = SchedulerClient(scheduler_address) if scheduler_address else None
+        self.scheduler = SchedulerClient(scheduler_address, internal_token) if scheduler_address else None
         self.metrics = metrics
 
     # ------------------------------------------------------------------ model facts

@@ -34,17 +34,18 @@ _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
 # ----------------------------------------------------------------------------- the app
-def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None = None) -> FastAPI:
+def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None = None,
+               protect_metrics: bool = False) -> FastAPI:
     app = FastAPI(title="TensorServe", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.frontend = frontend
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
-        if expected is not None and request.url.path.startswith("/v1"):
+        path = request.url.path
+        if expected is not None and (path.startswith("/v1") or (protect_metrics and path in ("/health", "/metrics"))):
             got = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(got, expected):
-                path = request.url.path
                 metrics.count(path if path in _ENDPOINTS else "other", 401)
                 return JSONResponse({"error": {
                     "message": "missing or wrong API key: send the header 'Authorization: Bearer <key>' "

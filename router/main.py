@@ -84,16 +84,18 @@ async def serve(args: RouterConfig) -> int:
     from router.frontend import Frontend
     from router.http_api import create_app
     from router.metrics import RouterMetrics
-    from router.server import ApiKeyInterceptor, GenerationServicer
+    from router.server import GenerationServicer
+    from shared.grpc_auth import api_key_interceptor
 
     if not args.scheduler:
         log.warning("no --scheduler given: generation requests will get 503 until one is configured")
-    frontend = Frontend(args.model, args.scheduler, args.served_model_name, chat_template=args.chat_template)
+    frontend = Frontend(args.model, args.scheduler, args.served_model_name, chat_template=args.chat_template,
+                        internal_token=args.internal_token)
     metrics = RouterMetrics(frontend.served_model_name)
     frontend.metrics = metrics
 
     # gRPC
-    interceptors = [AsyncDecodeErrorInterceptor(), *([ApiKeyInterceptor(args.api_key)] if args.api_key else [])]
+    interceptors = [AsyncDecodeErrorInterceptor(), *([api_key_interceptor(args.api_key)] if args.api_key else [])]
     grpc_server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)])
     servicer = GenerationServicer(frontend, metrics)
@@ -114,7 +116,7 @@ async def serve(args: RouterConfig) -> int:
     # HTTP
     sock = _bind(args.host, args.http_port)
     http_port = sock.getsockname()[1]
-    app = create_app(frontend, metrics, api_key=args.api_key)
+    app = create_app(frontend, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics)
     config = uvicorn.Config(app, loop="uvloop", lifespan="off", log_level="warning", access_log=False,
                             timeout_graceful_shutdown=max(1, int(args.grace_period)))
 

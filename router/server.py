@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 
 import grpc
@@ -11,51 +10,7 @@ from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent, TokenLogprob
 from router import request_limits as limits
 from router.metrics import RouterMetrics
-from shared.grpc_health import SERVICE_NAME as HEALTH_SERVICE
 from shared.step_codec import sampling_params_from_proto
-
-# probes carry no key: the standard health service stays open (reflection does not)
-_OPEN_METHODS = (f"/{HEALTH_SERVICE}/Check", f"/{HEALTH_SERVICE}/Watch")
-
-
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED unless the metadata carries ``authorization: Bearer <key>`` (health checks stay open)."""
-
-    def __init__(self, api_key: str):
-        self._expected = f"Bearer {api_key}".encode()
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong API key: send metadata 'authorization: Bearer <key>' with the "
-                                "key the server was started with (--api-key / TS_API_KEY)")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-
-        async def deny_stream(request, context):
-            await deny(request, context)
-            yield  # pragma: no cover
-
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
-
-        async def deny_bidi(request_iterator, context):
-            await deny(None, context)
-            yield  # pragma: no cover
-
-        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny_bidi)   # server reflection
-
-    async def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        if method in _OPEN_METHODS:
-            return await continuation(handler_call_details)
-        got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(got, str):
-            got = got.encode()
-        if hmac.compare_digest(got, self._expected):
-            return await continuation(handler_call_details)
-        if method.endswith("/Generate"):
-            return self._deny_stream
-        return self._deny_bidi if method.startswith("/grpc.reflection.") else self._deny_unary
-
 
 def _token_logprob_pb(lp: TokenLogprob) -> router_pb2.TokenLogprob:
     m = router_pb2.TokenLogprob(token_id=lp.token_id, token=lp.token, token_bytes=lp.token_bytes)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.common_config import DrainOptions, LoggingOptions, TransportOptions
-from shared.options import Address, Flag, Integer, Number, Port, Text, option
+from shared.common_config import DrainOptions, InternalOptions, LoggingOptions, TransportOptions, check_exposure
+from shared.options import Address, Flag, Integer, Number, Port, Resolved, Text, option
 
 
 @dataclass(frozen=True, kw_only=True)
-class SchedulerConfig(TransportOptions, DrainOptions, LoggingOptions):
+class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOptions):
     host: str = option("127.0.0.1", "address the scheduler listens on", Text(metavar="HOST"),
                        env="TS_SCHEDULER_HOST", internal=True)
     port: int = option(0, "gRPC port of the scheduler, 0 = a free one", Port(), env="TS_SCHEDULER_PORT",
@@ -33,3 +33,8 @@ class SchedulerConfig(TransportOptions, DrainOptions, LoggingOptions):
     worker_probe_after: float = option(10.0, "seconds a worker step may run before the scheduler asks the "
                                        "worker's health, and drops the connection if no answer comes",
                                        Number(0, exclusive=True), env="TS_WORKER_PROBE_AFTER_S")
+
+
+def check_process(resolved: Resolved) -> None:
+    """`tensorserve scheduler`: no listening beyond loopback without the internal token."""
+    check_exposure(resolved, "scheduler")

@@ -260,7 +260,8 @@ class SchedulerCore:
             address = self.worker_address
         if not address:
             return False
-        client = WorkerClient(address, self.transport, probe_after_s=self.config.worker_probe_after)
+        client = WorkerClient(address, self.transport, probe_after_s=self.config.worker_probe_after,
+                              internal_token=self.config.internal_token)
         try:
             d = client.describe(timeout_s=2.0)
         except WorkerFailure as exc:

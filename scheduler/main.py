@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from scheduler import config as scheduler_config
 from scheduler.config import SchedulerConfig
 from shared.common_config import configure
 from shared.options import ArgumentParser, add_flags, options_of
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(flags: argparse.Namespace) -> int:
-    configured = configure("scheduler", SchedulerConfig, flags, options=OPTIONS)
+    configured = configure("scheduler", SchedulerConfig, flags, check=scheduler_config.check_process, options=OPTIONS)
     if isinstance(configured, int):
         return configured
     args, _ = configured

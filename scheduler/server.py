@@ -13,6 +13,7 @@ import uuid
 import grpc
 
 from protos.tensorserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shared.grpc_auth import internal_interceptor
 from shared.grpc_errors import AsyncDecodeErrorInterceptor
 from shared.grpc_health import AsyncHealthReporter
 
@@ -139,7 +140,9 @@ def _same_model(name: str, d) -> bool:
 
 
 def build_server(core: SchedulerCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(interceptors=[AsyncDecodeErrorInterceptor()], options=[
+    token = core.config.internal_token
+    interceptors = [AsyncDecodeErrorInterceptor(), *([internal_interceptor(token, asynchronous=True)] if token else [])]
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),

@@ -29,7 +29,8 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.tensorserve.v1 import worker_pb2, worker_pb2_grpc
+from shared.grpc_auth import internal_metadata
 from shared.tensor_codec import TensorCodec, resolve_transport
 from shared.step import StepRequest, StepResult
 from shared.step_codec import step_request_to_proto, step_result_from_proto
@@ -60,8 +61,10 @@ def _rpc_error_text(exc: grpc.RpcError) -> str:
 
 class WorkerClient:
     def __init__(self, address: str, transport: str | None = None,
-                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S, probe_after_s: float = HEALTH_PROBE_AFTER_S):
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S, probe_after_s: float = HEALTH_PROBE_AFTER_S,
+                 internal_token: str | None = None):
         self.address = address
+        self.metadata = internal_metadata(internal_token)
         self.probe_after_s = probe_after_s
         self.setting = transport
         self.step_timeout_s = step_timeout_s
@@ -88,7 +91,8 @@ class WorkerClient:
     def describe(self, timeout_s: float = 5.0) -> worker_pb2.DescribeResponse:
         """Ask the worker for its capacity; picks the tensor transport from its hostname."""
         try:
-            d = self.stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s, wait_for_ready=False)
+            d = self.stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s, wait_for_ready=False,
+                                  metadata=self.metadata)
         except grpc.RpcError as exc:
             raise WorkerFailure(f"worker {self.address} did not answer Describe: {_rpc_error_text(exc)}",
                                 exc.code() if hasattr(exc, "code") else None) from None
@@ -139,7 +143,7 @@ class WorkerClient:
     def _open_stream(self) -> None:
         self._outbox = queue.SimpleQueue()
         self._stream = self.stub.StepStream(iter(self._outbox.get, None),
-                                            metadata=((TRANSPORT_METADATA_KEY, self.transport),))
+                                            metadata=((TRANSPORT_METADATA_KEY, self.transport), *self.metadata))
         self._answers = {}
         self._hung_message = ""
         if self._watchdog is None:

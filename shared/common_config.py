@@ -60,6 +60,29 @@ class TransportOptions:
                                    "this host)", Choice("auto", "shm", "inline"))
 
 
+@dataclass(frozen=True, kw_only=True)
+class InternalOptions:
+    internal_token: str | None = option(
+        None, "shared secret that every internal call (router to scheduler, scheduler to worker) carries; "
+        "required when the scheduler or worker listens beyond loopback; give all three the same one",
+        Text(metavar="TOKEN"), secret=True, internal=True)
+
+
+def check_exposure(resolved: Resolved, process: str) -> None:
+    """A scheduler or worker reachable from other hosts must require the internal token, or its
+    API (Submit, Step) would be open around the router's API key."""
+    import ipaddress
+    host = resolved.values["host"].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not resolved.values.get("internal_token"):
+        raise ConfigError(f"{resolved.where('host')}: the {process} would accept calls from other hosts with no "
+                          "internal token; set --internal-token (TS_INTERNAL_TOKEN) to a shared secret, the same "
+                          "on router, scheduler and worker (e.g. openssl rand -hex 16)")
+
+
 def setup_logging(level: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
     logging.basicConfig(level=level.upper(), format=fmt)
 

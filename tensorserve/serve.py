@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -108,9 +109,10 @@ def run(flags: argparse.Namespace) -> int:
     if isinstance(configured, int):
         return configured
     args, resolved = configured
-    worker_cfg = resolved.build(WorkerConfig, host="127.0.0.1", port=0)
-    scheduler_cfg = resolved.build(SchedulerConfig, host="127.0.0.1", port=0)
-    router_cfg = resolved.build(RouterConfig)
+    token = secrets.token_hex(16)        # the children's internal token: only they know it
+    worker_cfg = resolved.build(WorkerConfig, host="127.0.0.1", port=0, internal_token=token)
+    scheduler_cfg = resolved.build(SchedulerConfig, host="127.0.0.1", port=0, internal_token=token)
+    router_cfg = resolved.build(RouterConfig, internal_token=token)
     stop = {"signal": None}
 
     def on_signal(signum, frame):

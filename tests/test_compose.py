@@ -83,10 +83,19 @@ def _interpolate_tree(node, env):
     return node
 
 
+# what a user must export (compose.yaml refuses to start without it); the rest keeps the file's defaults
+REQUIRED_ENV = {"TS_INTERNAL_TOKEN": "compose-test-token"}
+
+
 def load_compose(env: dict[str, str] | None = None) -> dict:
-    """compose.yaml as Compose reads it, interpolated against `env` (default: none set, i.e. the file's defaults)."""
+    """compose.yaml as Compose reads it, interpolated against `env` (default: only the required variables set)."""
     raw = yaml.safe_load(COMPOSE_FILE.read_text())
-    return _interpolate_tree(raw, {} if env is None else env)
+    return _interpolate_tree(raw, {**REQUIRED_ENV, **(env or {})})
+
+
+def test_compose_refuses_to_start_without_the_internal_token():
+    with pytest.raises(ValueError, match="TS_INTERNAL_TOKEN is missing: set TS_INTERNAL_TOKEN to a shared secret"):
+        _interpolate_tree(yaml.safe_load(COMPOSE_FILE.read_text()), {})
 
 
 def environment(service: dict) -> dict[str, str]:

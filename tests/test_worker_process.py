@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from processes import start_with_ready_file, stop
-from protos.tensorserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.tensorserve.v1 import worker_pb2, worker_pb2_grpc
 from shared import grpc_health
 from shared.sampling_params import SamplingParams
 from shared.shm import SHM_DIR

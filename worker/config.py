@@ -4,14 +4,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from shared.common_config import LoggingOptions, ModelOptions, TransportOptions, check_model
+from shared.common_config import (InternalOptions, LoggingOptions, ModelOptions, TransportOptions, check_exposure,
+                                  check_model)
 from shared.options import Choice, ConfigError, Integer, Port, Resolved, Size, Text, option
 
 DEFAULT_KV_MEMORY = 512 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerConfig(TransportOptions, LoggingOptions, ModelOptions):
+class WorkerConfig(InternalOptions, TransportOptions, LoggingOptions, ModelOptions):
     host: str = option("127.0.0.1", "address the worker listens on", Text(metavar="HOST"), env="TS_WORKER_HOST", internal=True)
     port: int = option(0, "gRPC port of the worker, 0 = a free one (printed)", Port(), env="TS_WORKER_PORT",
                        internal=True)
@@ -57,3 +58,9 @@ def check(resolved: Resolved) -> None:
                           "--kv-memory") from None
     finally:
         kv_log.disabled = quiet
+
+
+def check_process(resolved: Resolved) -> None:
+    """`tensorserve worker`: `check`, and no listening beyond loopback without the internal token."""
+    check_exposure(resolved, "worker")
+    check(resolved)

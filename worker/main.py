@@ -54,7 +54,7 @@ def _show_startup_progress() -> None:
 
 
 def run(flags: argparse.Namespace) -> int:
-    configured = configure("worker", WorkerConfig, flags, check=worker_config.check, options=OPTIONS)
+    configured = configure("worker", WorkerConfig, flags, check=worker_config.check_process, options=OPTIONS)
     if isinstance(configured, int):
         return configured
     args, _ = configured
@@ -104,7 +104,7 @@ def run(flags: argparse.Namespace) -> int:
 
     servicer = WorkerServicer(runner, model_name(args.model), backend, args.tensor_transport, model_thread)
     try:
-        server, port = start_server(servicer, args.host, args.port)
+        server, port = start_server(servicer, args.host, args.port, internal_token=args.internal_token)
     except (OSError, RuntimeError) as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2

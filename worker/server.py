@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from protos.tensorserve.v1 import worker_pb2, worker_pb2_grpc
+from shared.grpc_auth import internal_interceptor
 from shared.grpc_errors import DecodeErrorInterceptor
 from shared.grpc_health import HealthReporter
 from shared.shm import ShmArena, ShmReader
@@ -290,13 +291,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._model_thread.shutdown(wait=False)
 
 
-def start_server(servicer: WorkerServicer, host: str, port: int, max_workers: int = 8) -> tuple[grpc.Server, int]:
+def start_server(servicer: WorkerServicer, host: str, port: int, max_workers: int = 8,
+                 internal_token: str | None = None) -> tuple[grpc.Server, int]:
     """Starts a sync gRPC server; returns it and the bound port (port 0 picks a free one)."""
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="worker-rpc"),
-                         interceptors=[DecodeErrorInterceptor()], options=options)
+                         interceptors=[DecodeErrorInterceptor(),
+                                       *([internal_interceptor(internal_token, asynchronous=False)]
+                                         if internal_token else [])], options=options)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     # the model is loaded before the server starts: SERVING from the first answer until close()
     servicer.health = HealthReporter(server, [WORKER_SERVICE], serving=True)
