@@ -26,6 +26,8 @@ class RouterConfig(InternalOptions, DrainOptions, LoggingOptions, ModelOptions):
                                    internal=True)
     ready_file: str | None = option(None, 'write {"http": "host:port", "grpc": "host:port", "pid": N} here '
                                     "once both listen", Text(metavar="FILE"), env="TS_READY_FILE", internal=True)
+    supervisor_status: str | None = option(None, "JSON file where serve keeps its children's states and restart "
+                                           "counts, for /health and /metrics", Text(metavar="FILE"), internal=True)
 
 
 def check(resolved: Resolved) -> None:

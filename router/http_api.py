@@ -22,7 +22,7 @@ from router import openapi_schemas as schemas
 from router import openai_shapes as oa
 from router import request_limits as limits
 from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent
-from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics, read_supervisor_status
 from shared.sampling_params import MAX_LOGPROBS
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -324,6 +324,17 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         ok, message, components = await frontend.health()
         comps = [{"name": c.name, "status": "ok" if c.status == 1 else "unavailable", "message": c.message}
                  for c in components]
+        supervised = read_supervisor_status(metrics.supervisor_status)
+        if supervised:      # under `tensorserve serve`: each child's state and restarts, also when unreachable
+            by_name = {c["name"].split("-")[0]: c for c in comps}
+            for name in ("scheduler", "worker"):
+                if name in supervised:
+                    entry = by_name.get(name)
+                    if entry is None:
+                        entry = {"name": "worker-0" if name == "worker" else name, "status": "unavailable",
+                                 "message": f"the {name} is {supervised[name]['state']}"}
+                        comps.append(entry)
+                    entry.update(restarts=supervised[name]["restarts"], process=supervised[name]["state"])
         metrics.count("/health", 200 if ok else 503)
         if ok:
             return JSONResponse({"status": "ok", "components": comps})

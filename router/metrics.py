@@ -6,10 +6,41 @@ Counters and histograms are updated as requests run; the scheduler gauges
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+import json
+from pathlib import Path
 
-__all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST"]
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["RouterMetrics", "CONTENT_TYPE_LATEST", "read_supervisor_status"]
+
+
+def read_supervisor_status(path: str | None) -> dict[str, dict]:
+    """What `tensorserve serve` last wrote of its children (tensorserve/supervisor.py), or {}."""
+    if not path:
+        return {}
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+class _SupervisorCollector:
+    """Restart counts and states of serve's children, read at each scrape."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def collect(self):
+        restarts = CounterMetricFamily("tensorserve_process_restarts", "Restarts of a child process by "
+                                       "tensorserve serve after it died", labels=["process"])
+        up = GaugeMetricFamily("tensorserve_process_up", "1 while the child process runs and is ready",
+                               labels=["process"])
+        for name, status in read_supervisor_status(self.path).items():
+            restarts.add_metric([name], status.get("restarts", 0))
+            up.add_metric([name], 1.0 if status.get("state") == "running" else 0.0)
+        yield restarts
+        yield up
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -17,9 +48,12 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160
 
 
 class RouterMetrics:
-    def __init__(self, model: str):
+    def __init__(self, model: str, supervisor_status: str | None = None):
         self.registry = r = CollectorRegistry()
         self.model = model
+        self.supervisor_status = supervisor_status
+        if supervisor_status:
+            r.register(_SupervisorCollector(supervisor_status))
         self.requests = Counter("tensorserve_requests", "Requests finished, by endpoint and HTTP/gRPC status",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("tensorserve_prompt_tokens", "Prompt tokens sent to the scheduler",

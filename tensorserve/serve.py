@@ -7,8 +7,8 @@ Internal ports are chosen free (each child reports its address in a ready
 file); the public ones are the router's --http-port and --grpc-port. SIGTERM
 or Ctrl-C stops the router first (it finishes in-flight requests within the
 grace period), then the scheduler, then the worker. A child that dies is
-reported, not hidden: the router's /health turns 503 and requests get a 503
-with the reason; if the router itself dies, serve stops everything.
+restarted after a backoff (tensorserve/supervisor.py); meanwhile the router's /health turns 503 and
+requests get a 503 naming it. If the router itself dies, serve stops everything.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,8 @@ from router import config as router_config
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from shared.common_config import LoggingOptions, configure
-from shared.options import Number, Resolved, Text, add_flags, option, options_of, product_variables, to_argv
+from shared.options import Number, Resolved, Text, add_flags, option, options_of, product_variables
+from tensorserve.supervisor import Child, free_port, write_status
 from worker import config as worker_config
 from worker.config import WorkerConfig
 
@@ -67,43 +67,6 @@ def _child_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in product}
 
 
-class Child:
-    def __init__(self, name: str, config: Any, ready_dir: Path, start_timeout: float):
-        self.name = name
-        self.ready = ready_dir / f"{name}.json"
-        self.start_timeout = start_timeout
-        args, secrets = to_argv(CHILD_OPTIONS[name], dataclasses.replace(config, ready_file=str(self.ready)))
-        cmd = [sys.executable, "-m", f"{name}.main", *args]
-        log.info("starting %s: %s", name, " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, env={**_child_environment(), **secrets})
-
-    def wait_ready(self, others: list["Child"]) -> dict:
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.ready.exists():
-                try:
-                    return json.loads(self.ready.read_text())
-                except json.JSONDecodeError:
-                    pass            # being written
-            for c in [self, *others]:
-                if c.proc.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with status {c.proc.returncode} while starting; "
-                                       "see its messages above")
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} did not become ready within {self.start_timeout:.0f} s "
-                           "(--start-timeout)")
-
-    def stop(self, grace: float) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s; killing it", self.name, grace)
-                self.proc.kill()
-                self.proc.wait()
-
-
 def run(flags: argparse.Namespace) -> int:
     configured = configure("serve", ServeOptions, flags, check=_check, options=OPTIONS)
     if isinstance(configured, int):
@@ -123,17 +86,22 @@ def run(flags: argparse.Namespace) -> int:
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="tensorserve-") as tmp:
         ready_dir = Path(tmp)
+        status_path = ready_dir / "supervisor.json"
+        environment = _child_environment()
+
+        def child(name: str, config: Any) -> Child:
+            c = Child(name, CHILD_OPTIONS[name], config, ready_dir, args.start_timeout, environment)
+            children.append(c)
+            return c
         try:
-            worker = Child("worker", worker_cfg, ready_dir, args.start_timeout)
-            children.append(worker)
+            # fixed ports: a restarted worker or scheduler comes back where its client dials
+            worker = child("worker", dataclasses.replace(worker_cfg, port=free_port()))
             worker_addr = worker.wait_ready([])["address"]
-            scheduler = Child("scheduler", dataclasses.replace(scheduler_cfg, worker=worker_addr), ready_dir,
-                              args.start_timeout)
-            children.append(scheduler)
+            scheduler = child("scheduler", dataclasses.replace(scheduler_cfg, worker=worker_addr, port=free_port()))
             scheduler_addr = scheduler.wait_ready([worker])["address"]
-            router = Child("router", dataclasses.replace(router_cfg, scheduler=scheduler_addr), ready_dir,
-                           args.start_timeout)
-            children.append(router)
+            write_status(status_path, children)
+            router = child("router", dataclasses.replace(router_cfg, scheduler=scheduler_addr,
+                                                         supervisor_status=str(status_path)))
             public = router.wait_ready([worker, scheduler])
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -147,18 +115,15 @@ def run(flags: argparse.Namespace) -> int:
         print(f"TensorServe is serving {router_cfg.model}: OpenAI API at http://{public['http']}/v1, "
               f"gRPC Generation at {public['grpc']}", flush=True)
 
-        reported: set[str] = set()
-        while stop["signal"] is None:
-            for c in children:
-                if c.proc.poll() is not None and c.name not in reported:
-                    reported.add(c.name)
-                    log.error("%s exited with status %s", c.name, c.proc.returncode)
-                    print(f"tensorserve: {c.name} exited with status {c.proc.returncode}; "
-                          + ("stopping." if c is router else "/health reports it and requests get 503."),
-                          file=sys.stderr, flush=True)
-            if router.proc.poll() is not None:
-                break
-            time.sleep(0.2)
+        written = write_status(status_path, children)
+        while stop["signal"] is None and router.alive:
+            for c in (worker, scheduler):
+                c.supervise(time.monotonic())
+            written = write_status(status_path, children, unless=written)
+            time.sleep(0.1)
+        if not router.alive:
+            print(f"tensorserve: the router exited with status {router.proc.returncode}; stopping.", file=sys.stderr,
+                  flush=True)
 
         for c in reversed(children):      # router first: it drains in-flight requests
             c.stop(router_cfg.grace_period + 5)

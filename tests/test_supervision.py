@@ -1,0 +1,85 @@
+"""`tensorserve serve` restarts a worker or scheduler that dies: the request in flight on the
+dead process ends at once with a 503 naming it, /health reports each component with its
+restarts, /metrics counts them, and new requests succeed once it is back. The recovery time
+after `kill -9` of each is measured and printed."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from processes import start_with_ready_file, stop
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("supervised")
+    ready = tmp / "serve.json"
+    proc, info = start_with_ready_file([sys.executable, "-m", "tensorserve", "serve", "--http-port", "0",
+                                        "--grpc-port", "0", "--kv-memory", "64MiB", "--ready-file", str(ready)],
+                                       ready, tmp / "serve.log", timeout=300)
+    info["base"] = f"http://{info['http']}"
+    yield info
+    assert stop(proc, timeout=30) == 0
+
+
+def _complete(info: dict, max_tokens: int = 2, timeout: float = 30) -> httpx.Response:
+    return httpx.post(info["base"] + "/v1/completions", timeout=timeout,
+                      json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens,
+                            "temperature": 0, "ignore_eos": True})
+
+
+def _restarts(info: dict, process: str) -> float:
+    text = httpx.get(info["base"] + "/metrics", timeout=10).text
+    m = re.search(rf'^tensorserve_process_restarts_total{{process="{process}"}} ([0-9.]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _kill_mid_request(info: dict, pid: int) -> tuple[httpx.Response, float]:
+    """A long request in flight, the process killed under it: its answer, and the kill's time."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(r=_complete(info, max_tokens=400, timeout=120)))
+    thread.start()
+    time.sleep(1.5)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive(), "the request in flight did not end when its process died"
+    return result["r"], killed_at
+
+
+def _recovery(info: dict, killed_at: float) -> float:
+    deadline = killed_at + 120
+    while time.monotonic() < deadline:
+        try:
+            if _complete(info, timeout=30).status_code == 200:
+                return time.monotonic() - killed_at
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("no request succeeded within 120 s of the kill")
+
+
+@pytest.mark.parametrize("process", ["worker", "scheduler"])
+def test_a_killed_process_comes_back_and_requests_succeed_again(served, process):
+    assert _complete(served).status_code == 200
+    before = _restarts(served, process)
+    response, killed_at = _kill_mid_request(served, served["pids"][process])     # each is killed once here
+    ended_after = time.monotonic() - killed_at
+    assert response.status_code == 503, response.text
+    assert process in response.json()["error"]["message"].lower()
+    recovery = _recovery(served, killed_at)
+    print(f"\n{process} killed with SIGKILL: the request in flight ended {ended_after:.1f} s later with 503; "
+          f"requests succeed again {recovery:.1f} s after the kill")
+    assert _restarts(served, process) == before + 1
+    health = httpx.get(served["base"] + "/health", timeout=10).json()
+    entry = next(c for c in health["components"] if c["name"].startswith(process))
+    assert entry["restarts"] >= 1 and entry["process"] == "running" and health["status"] == "ok"
