@@ -21,6 +21,19 @@ A request fails when the HTTP status is not 200, the stream carries an error obj
 end with `data: [DONE]` (http) or with a finish event (grpc), the finish event reports an error, or
 the connection or call fails. TTFT and ITL entries are reported for successful requests only.
 
+With --disconnect-share S, that share of requests (both APIs) leave on purpose: the client closes
+the stream (HTTP: closes the connection; gRPC: cancels the call) after 1-4 chunks with content, as a
+client that goes away mid-answer. Such a request counts as a success, under names of its own:
+"/v1/chat/completions (left early)", "Generate chat (left early)", and TTFT / ITL
+"http chat (left early)" etc. (A stream that ends before the chosen number of chunks is an
+ordinary request.) Requests time out after --request-timeout s (default 300: on a loaded 2-core
+machine a request may wait long in the queue, which is not a failure).
+
+With --request-log FILE (or the environment variable LOCUST_REQUEST_LOG) every request that ends
+(not those cut off when locust stops its users) is appended to FILE as one JSON line: api, name,
+start and end (wall-clock, time.time()), ok, left_early, error, ttft_ms and itl_ms (the gaps).
+loadtest/soak.py uses it to tell which failures were in flight at a given moment.
+
 Prompts mix short questions with a few hundred tokens of random common words (about one token a
 word for SmolLM2), drawn fresh per request so the prefix cache does not make them cheap. Requests
 are greedy with `ignore_eos` (an extension TensorServe, vLLM and llama.cpp accept), so every
@@ -28,7 +41,8 @@ answer is --max-tokens long (default 24) and shows up to max_tokens - 1 gaps (fe
 carries several tokens, or text waits for the rest of a character).
 
 Options this file adds to locust's: --grpc-target, --served-model (default: the first model the
-server lists), --max-tokens, --long-share (of requests with a long prompt, default 0.25).
+server lists), --max-tokens, --long-share (of requests with a long prompt, default 0.25),
+--disconnect-share (default 0), --request-timeout (default 300 s), --request-log.
 
 Run it through `make loadtest` / loadtest/run_locust.py, which starts a server, or by hand
 against a running one:
@@ -57,8 +71,11 @@ from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 
 GRPC_TARGET_ENV = "LOCUST_GRPC_TARGET"
+REQUEST_LOG_ENV = "LOCUST_REQUEST_LOG"
 DEFAULT_MAX_TOKENS = 24
-REQUEST_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 300
+LEFT_EARLY = " (left early)"   # suffix of the names of requests whose client left on purpose
+LEAVE_AFTER_CHUNKS = (1, 4)    # such a client closes the stream after this many chunks with content
 
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government number "
@@ -94,6 +111,15 @@ def _add_arguments(parser):
     group.add_argument("--long-share", type=float, default=LONG_SHARE,
                        help=f"share of requests with a long prompt of {LONG_WORDS[0]}-{LONG_WORDS[1]} random "
                             f"words, the others being short questions (default {LONG_SHARE})")
+    group.add_argument("--disconnect-share", type=float, default=0.0,
+                       help=f"share of requests whose client closes the stream after {LEAVE_AFTER_CHUNKS[0]}-"
+                            f"{LEAVE_AFTER_CHUNKS[1]} chunks with content, reported as successes under names "
+                            f"ending in '{LEFT_EARLY}' (default 0)")
+    group.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
+                       help=f"seconds a request may take (HTTP: between two reads; gRPC: the whole call; "
+                            f"default {REQUEST_TIMEOUT_S})")
+    group.add_argument("--request-log", default=os.environ.get(REQUEST_LOG_ENV, ""), metavar="FILE",
+                       help=f"append one JSON line per ended request to FILE [env {REQUEST_LOG_ENV}]")
 
 
 def _option(environment, name: str, default):
@@ -121,6 +147,30 @@ def _last_csv_pass(environment, **_kwargs):
         gevent.sleep(CSV_STATS_INTERVAL_SEC + 0.5)
 
 
+class _RequestLog:
+    """The --request-log file of this locust process, opened on first use (append, one line a request)."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.file = None
+
+    def write(self, environment, record: dict) -> None:
+        path = _option(environment, "request_log", "") or os.environ.get(REQUEST_LOG_ENV, "")
+        if not path:
+            return
+        if self.file is None or path != self.path:
+            self.path, self.file = path, open(path, "a", buffering=1)
+        self.file.write(json.dumps(record) + "\n")      # one write per line: greenlets do not interleave
+
+
+_request_log = _RequestLog()
+
+
+def _leave_after(rng: random.Random, share: float) -> int | None:
+    """Content chunks after which this request's client leaves on purpose; None: it reads to the end."""
+    return rng.randint(*LEAVE_AFTER_CHUNKS) if share > 0 and rng.random() < share else None
+
+
 def _random_words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -137,8 +187,10 @@ class _Timing:
     """TTFT and inter-token gaps of one streamed request, in milliseconds."""
 
     def __init__(self) -> None:
+        self.wall_start = time.time()
         self.start = time.perf_counter()
         self.last: float | None = None
+        self.chunks = 0               # chunks with content so far
         self.ttft: float | None = None
         self.gaps: list[float] = []
 
@@ -149,6 +201,7 @@ class _Timing:
         else:
             self.gaps.append((now - self.last) * 1000)
         self.last = now
+        self.chunks += 1
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.start) * 1000
@@ -160,6 +213,13 @@ class _Timing:
                  context={})
         for gap in self.gaps:
             fire(request_type="ITL", name=name, response_time=gap, response_length=0, exception=None, context={})
+
+    def log(self, environment, api: str, name: str, error, left_early: bool) -> None:
+        _request_log.write(environment, {
+            "api": api, "name": name, "start": self.wall_start, "end": time.time(), "ok": error is None,
+            "left_early": left_early, "error": None if error is None else str(error)[:300],
+            "ttft_ms": None if self.ttft is None else round(self.ttft, 2),
+            "itl_ms": [round(g, 2) for g in self.gaps]})
 
 
 class StreamError(Exception):
@@ -176,12 +236,14 @@ class HttpStreamUser(HttpUser):
         self.rng = random.Random()
         self.max_tokens = _option(self.environment, "max_tokens", DEFAULT_MAX_TOKENS)
         self.long_share = _option(self.environment, "long_share", LONG_SHARE)
+        self.disconnect_share = _option(self.environment, "disconnect_share", 0.0)
+        self.timeout = _option(self.environment, "request_timeout", REQUEST_TIMEOUT_S)
         if HttpStreamUser.model is None:
             HttpStreamUser.model = _option(self.environment, "served_model", "") or self._listed_model()
 
     def _listed_model(self) -> str:
         with self.client.get("/v1/models", name="/v1/models", catch_response=True,
-                             timeout=REQUEST_TIMEOUT_S) as resp:
+                             timeout=self.timeout) as resp:
             try:
                 return resp.json()["data"][0]["id"]
             except Exception as exc:  # noqa: BLE001 - reported as the request's failure
@@ -191,10 +253,12 @@ class HttpStreamUser(HttpUser):
     def _stream(self, path: str, label: str, body: dict, content) -> None:
         body = {**body, "model": self.model, "stream": True, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True}
+        leave_after = _leave_after(self.rng, self.disconnect_share)
+        left = False
         timing = _Timing()
         size = 0
         with self.client.post(path, json=body, stream=True, catch_response=True, name=path,
-                              timeout=REQUEST_TIMEOUT_S) as resp:
+                              timeout=self.timeout) as resp:
             try:
                 if resp.status_code != 200:
                     raise StreamError(f"status {resp.status_code}: {resp.error or (resp.text or '')[:300]}")
@@ -216,7 +280,10 @@ class HttpStreamUser(HttpUser):
                         raise StreamError(f"error in stream: {json.dumps(event['error'])[:300]}")
                     if any(content(choice) for choice in event.get("choices", ())):
                         timing.token()
-                if not done:
+                        if leave_after is not None and timing.chunks >= leave_after:
+                            left = True           # leave mid-stream: the finally below drops the connection
+                            break
+                if not done and not left:
                     raise StreamError("stream ended without data: [DONE]")
                 if timing.ttft is None:
                     raise StreamError("no content in the stream")
@@ -229,8 +296,13 @@ class HttpStreamUser(HttpUser):
             # the whole streamed request, not only the time to its headers
             resp.request_meta["response_time"] = timing.elapsed_ms()
             resp.request_meta["response_length"] = size
-        if resp.request_meta.get("exception") is None:
+            if left:
+                resp.request_meta["name"] = path + LEFT_EARLY
+        error = resp.request_meta.get("exception")
+        label += LEFT_EARLY if left else ""
+        if error is None:
             timing.report(self.environment, label)
+        timing.log(self.environment, "http", resp.request_meta["name"], error, left)
 
     @tag("http")
     @task
@@ -257,6 +329,8 @@ class GrpcStreamUser(User):
         self.target = _option(self.environment, "grpc_target", "") or os.environ.get(GRPC_TARGET_ENV, "")
         self.max_tokens = _option(self.environment, "max_tokens", DEFAULT_MAX_TOKENS)
         self.long_share = _option(self.environment, "long_share", LONG_SHARE)
+        self.disconnect_share = _option(self.environment, "disconnect_share", 0.0)
+        self.timeout = _option(self.environment, "request_timeout", REQUEST_TIMEOUT_S)
         if not self.target:
             raise RuntimeError(f"the grpc user needs --grpc-target HOST:PORT or {GRPC_TARGET_ENV}")
         self.channel = grpc.insecure_channel(self.target)
@@ -273,7 +347,7 @@ class GrpcStreamUser(User):
         start = time.perf_counter()
         exc, model = None, "smollm2-135m"
         try:
-            model = self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=REQUEST_TIMEOUT_S).models[0].id
+            model = self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout).models[0].id
         except Exception as e:  # noqa: BLE001
             exc = e
         self.environment.events.request.fire(request_type="grpc", name="ListModels", exception=exc,
@@ -285,11 +359,13 @@ class GrpcStreamUser(User):
         request = router_pb2.GenerateRequest(
             model=self.model, **prompt,
             sampling=common_pb2.SamplingParams(max_tokens=self.max_tokens, temperature=0, ignore_eos=True))
+        leave_after = _leave_after(self.rng, self.disconnect_share)
+        left = False
         timing = _Timing()
         size, exc, ended = 0, None, False
         call = None
         try:
-            call = self.stub.Generate(request, timeout=REQUEST_TIMEOUT_S)
+            call = self.stub.Generate(request, timeout=self.timeout)
             finish = None
             for event in call:
                 size += event.ByteSize()
@@ -299,28 +375,35 @@ class GrpcStreamUser(User):
                 if which == "delta":
                     if event.delta.token_ids:
                         timing.token()
+                        if leave_after is not None and timing.chunks >= leave_after:
+                            left = True
+                            break             # leave mid-stream: the finally below cancels the call
                 elif which == "finish":
                     finish = event.finish
-            if finish is None:
-                raise StreamError("stream ended without a finish event")
-            if finish.finish_reason == common_pb2.FINISH_REASON_ERROR or finish.HasField("error"):
-                raise StreamError(f"finish {common_pb2.FinishReason.Name(finish.finish_reason)}: "
-                                  f"{finish.error.code}: {finish.error.message}")
+            if not left:
+                if finish is None:
+                    raise StreamError("stream ended without a finish event")
+                if finish.finish_reason == common_pb2.FINISH_REASON_ERROR or finish.HasField("error"):
+                    raise StreamError(f"finish {common_pb2.FinishReason.Name(finish.finish_reason)}: "
+                                      f"{finish.error.code}: {finish.error.message}")
             if timing.ttft is None:
                 raise StreamError("no tokens in the stream")
-            ended = True
+            ended = not left                        # a client that left cancels its call below
         except grpc.RpcError as e:
             exc = StreamError(f"{e.code().name}: {e.details()}")
         except Exception as e:  # noqa: BLE001
             exc = e if isinstance(e, StreamError) else StreamError(f"{type(e).__name__}: {e}")
         finally:
-            if call is not None and not ended:     # failed, or the user was stopped mid-stream: abort it
+            if call is not None and not ended:     # failed, left, or the user was stopped mid-stream: abort it
                 call.cancel()
+        if left and exc is None:
+            name, label = name + LEFT_EARLY, label + LEFT_EARLY
         self.environment.events.request.fire(request_type="grpc", name=name,
                                              response_time=timing.elapsed_ms(), response_length=size,
                                              exception=exc, context={})
         if exc is None:
             timing.report(self.environment, label)
+        timing.log(self.environment, "grpc", name, exc, left)
 
     @tag("grpc")
     @task

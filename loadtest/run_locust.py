@@ -12,6 +12,9 @@ request failed, none was made, or locust or the server did not end cleanly.
 Locust writes PREFIX_stats.csv, PREFIX_stats_history.csv, PREFIX_failures.csv and
 PREFIX_exceptions.csv; the server's log goes to PREFIX_serve.log and locust's to PREFIX_locust.log.
 With --host the stack is not started: locust runs against that HTTP base URL and --grpc-target.
+
+loadtest/soak.py imports start_stack, stop_stack, locust_command, clean_prefix, read_stats and
+summarize from here.
 """
 from __future__ import annotations
 
@@ -73,6 +76,30 @@ def start_stack(serve_args: list[str], workdir: Path, log: Path, timeout: float)
         time.sleep(0.1)
 
 
+def clean_prefix(prefix: str) -> None:
+    """Makes the CSV prefix's folder and removes an earlier run's files (locust appends to its log)."""
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    for old in [*Path(prefix).parent.glob(Path(prefix).name + "_*.csv"), Path(f"{prefix}_locust.log")]:
+        old.unlink(missing_ok=True)
+
+
+def locust_command(host: str, grpc_target: str, prefix: str, *, users: int, spawn_rate: float, duration: str,
+                   stop_timeout: int, max_tokens: int | None = None, tags: list[str] | None = None,
+                   extra: list[str] | None = None) -> list[str]:
+    """locust headless with loadtest/locustfile.py, CSV files and log under `prefix`."""
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+           "-u", str(users), "-r", f"{spawn_rate:g}", "-t", duration,
+           "--stop-timeout", str(stop_timeout), "--host", host, "--csv", prefix,
+           "--logfile", f"{prefix}_locust.log"]
+    if grpc_target:
+        cmd += ["--grpc-target", grpc_target]
+    if max_tokens is not None:
+        cmd += ["--max-tokens", str(max_tokens)]
+    if tags:
+        cmd += ["--tags", *tags]
+    return cmd + list(extra or ())
+
+
 def stop_stack(proc: subprocess.Popen, timeout: float = 60) -> int | None:
     """SIGTERM, then SIGKILL after `timeout` s; the exit code, None when it needed SIGKILL."""
     if proc.poll() is None:
@@ -127,9 +154,7 @@ def print_summary(summary: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prefix = str(Path(args.csv).resolve())
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    for old in [*Path(prefix).parent.glob(Path(prefix).name + "_*.csv"), Path(f"{prefix}_locust.log")]:
-        old.unlink(missing_ok=True)             # locust appends to its log file
+    clean_prefix(prefix)
     tags = args.tags.replace(",", " ").split()
 
     proc = None
@@ -141,17 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             proc, info = start_stack(shlex.split(args.serve_args), Path(tmp), Path(f"{prefix}_serve.log"),
                                      args.start_timeout)
             host, grpc_target = f"http://{info['http']}", info["grpc"]
-        cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
-               "-u", str(args.users), "-r", f"{args.spawn_rate:g}", "-t", args.duration,
-               "--stop-timeout", str(args.stop_timeout), "--host", host, "--csv", prefix,
-               "--logfile", f"{prefix}_locust.log"]
-        if grpc_target:
-            cmd += ["--grpc-target", grpc_target]
-        if args.max_tokens is not None:
-            cmd += ["--max-tokens", str(args.max_tokens)]
-        if tags:
-            cmd += ["--tags", *tags]
-        cmd += args.locust_args
+        cmd = locust_command(host, grpc_target, prefix, users=args.users, spawn_rate=args.spawn_rate,
+                             duration=args.duration, stop_timeout=args.stop_timeout, max_tokens=args.max_tokens,
+                             tags=tags, extra=args.locust_args)
         print("running:", shlex.join(cmd), file=sys.stderr, flush=True)
         try:
             locust_rc = subprocess.call(cmd, cwd=ROOT, stdout=sys.stderr if args.json else None)

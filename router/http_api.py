@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 from typing import AsyncIterator
 
@@ -24,6 +25,8 @@ from router import request_limits as limits
 from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics, read_supervisor_status
 from shared.sampling_params import MAX_LOGPROBS
+
+log = logging.getLogger("tensorserve.router.http")
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -63,6 +66,13 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
     @app.exception_handler(FrontendError)
     async def fe_exc(request: Request, exc: FrontendError):
         return oa.error(exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):     # a bug of ours: still OpenAI's shape, and logged
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse({"error": {"message": f"internal error ({type(exc).__name__}); the router's log has "
+                                                  "the details", "type": "server_error", "param": None,
+                                       "code": "internal_error"}}, status_code=500)
 
     async def read_json(request: Request) -> dict:
         limits.check_content_type(request.headers.get("content-type"))
