@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.common_config import DrainOptions, InternalOptions, LoggingOptions, ModelOptions, check_model
-from shared.options import Address, ConfigError, FilePath, Flag, Port, Resolved, Text, option
+from shared.options import Address, ConfigError, FilePath, Flag, Number, Port, Resolved, Text, option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +16,9 @@ class RouterConfig(InternalOptions, DrainOptions, LoggingOptions, ModelOptions):
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on HTTP /v1/* and this key in gRPC "
                                  "metadata (health checks and metrics stay open)", Text(metavar="KEY"),
                                  secret=True)
+    unavailable_timeout: float = option(30.0, "seconds a new request waits for a scheduler or worker that is "
+                                        "restarting (before any token) until it gets 503; 0 = answer at once",
+                                        Number(0))
     protect_metrics: bool = option(False, "require the API key on /health and /metrics too (open by default, as "
                                    "vLLM's, for probes and scrapers)", Flag())
     served_model_name: str | None = option(None, "model id clients send and /v1/models lists (default: the "

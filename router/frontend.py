@@ -47,6 +47,18 @@ FINISH_NAMES = {
 }
 
 
+UNAVAILABLE_RETRY_S = 0.25
+
+
+async def _first_then(first, call):
+    """The event already read (if the stream had one), then the rest of the call's."""
+    if first is None:
+        return
+    yield first
+    async for ev in call:
+        yield ev
+
+
 # ----------------------------------------------------------------------------- scheduler client
 class SchedulerClient:
     """The router's side of scheduler.proto, on a grpc.aio channel (created inside the running loop)."""
@@ -93,7 +105,8 @@ class Frontend:
     """One served model: tokenizer, chat template, validation, and generation through the scheduler."""
 
     def __init__(self, model: str, scheduler_address: str | None, served_model_name: str | None = None,
-                 metrics: Any = None, chat_template: str | None = None, internal_token: str | None = None):
+                 metrics: Any = None, chat_template: str | None = None, internal_token: str | None = None,
+                 unavailable_timeout: float = 0.0):
         self.model_arg = model
         self.path: Path = resolve_model(model)
         gguf = GGUFFile(self.path)
@@ -120,6 +133,7 @@ class Frontend:
         del gguf
         self.created = int(self.path.stat().st_mtime)
         self.scheduler = SchedulerClient(scheduler_address, internal_token) if scheduler_address else None
+        self.unavailable_timeout = unavailable_timeout
         self.metrics = metrics
 
     # ------------------------------------------------------------------ model facts
@@ -240,10 +254,24 @@ class Frontend:
         want_lp = p.params.logprobs is not None
         completion_tokens = 0
         first = True
-        call = self.scheduler.submit(req)
-        try:
+        # a scheduler or worker that is restarting (UNAVAILABLE before any event) is waited for, up to
+        # --unavailable-timeout: the request has produced nothing yet, so trying again loses nothing
+        deadline = time.monotonic() + self.unavailable_timeout
+        while True:
+            call = self.scheduler.submit(req)
             try:
                 async for ev in call:
+                    break
+                else:
+                    ev = None
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+                    raise error_from_rpc(exc) from None
+                await asyncio.sleep(UNAVAILABLE_RETRY_S)
+        try:
+            try:
+                async for ev in _first_then(ev, call):
                     if first:
                         first = False
                         if p.echo:

@@ -90,7 +90,7 @@ async def serve(args: RouterConfig) -> int:
     if not args.scheduler:
         log.warning("no --scheduler given: generation requests will get 503 until one is configured")
     frontend = Frontend(args.model, args.scheduler, args.served_model_name, chat_template=args.chat_template,
-                        internal_token=args.internal_token)
+                        internal_token=args.internal_token, unavailable_timeout=args.unavailable_timeout)
     metrics = RouterMetrics(frontend.served_model_name, args.supervisor_status)
     frontend.metrics = metrics
 

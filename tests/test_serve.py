@@ -112,10 +112,10 @@ def test_dead_worker_gives_clear_errors_and_the_router_stays_up(tmp_path):
             time.sleep(0.2)
         assert health.status_code == 503 and "worker" in health.text.lower()
         assert wait_for(lambda: not grpc_health.check(info["grpc"]), 5)     # the standard service agrees
-        response = httpx.post(base + "/v1/completions", timeout=30,
+        # a new request waits for the restarted worker (--unavailable-timeout) instead of failing
+        response = httpx.post(base + "/v1/completions", timeout=60,
                               json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2})
-        assert response.status_code == 503
-        assert "worker" in response.json()["error"]["message"].lower()
+        assert response.status_code == 200, response.text
         assert proc.poll() is None and pid_alive(info["pids"]["router"])
     finally:
         code = stop_serve(proc)

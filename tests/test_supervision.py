@@ -1,7 +1,7 @@
 """`tensorserve serve` restarts a worker or scheduler that dies: the request in flight on the
-dead process ends at once with a 503 naming it, /health reports each component with its
-restarts, /metrics counts them, and new requests succeed once it is back. The recovery time
-after `kill -9` of each is measured and printed."""
+dead process ends at once with a 503 naming it, a new request sent meanwhile waits for it and
+succeeds, /health reports each component with its restarts and /metrics counts them. The
+recovery time after `kill -9` of each is measured and printed."""
 from __future__ import annotations
 
 import os
@@ -57,15 +57,11 @@ def _kill_mid_request(info: dict, pid: int) -> tuple[httpx.Response, float]:
 
 
 def _recovery(info: dict, killed_at: float) -> float:
-    deadline = killed_at + 120
-    while time.monotonic() < deadline:
-        try:
-            if _complete(info, timeout=30).status_code == 200:
-                return time.monotonic() - killed_at
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("no request succeeded within 120 s of the kill")
+    """A new request sent while the process is down waits for it (--unavailable-timeout) and
+    succeeds: the time from the kill to its answer."""
+    response = _complete(info, timeout=120)
+    assert response.status_code == 200, response.text
+    return time.monotonic() - killed_at
 
 
 @pytest.mark.parametrize("process", ["worker", "scheduler"])
@@ -78,7 +74,7 @@ def test_a_killed_process_comes_back_and_requests_succeed_again(served, process)
     assert process in response.json()["error"]["message"].lower()
     recovery = _recovery(served, killed_at)
     print(f"\n{process} killed with SIGKILL: the request in flight ended {ended_after:.1f} s later with 503; "
-          f"requests succeed again {recovery:.1f} s after the kill")
+          f"a request sent at once was answered {recovery:.1f} s after the kill")
     assert _restarts(served, process) == before + 1
     health = httpx.get(served["base"] + "/health", timeout=10).json()
     entry = next(c for c in health["components"] if c["name"].startswith(process))
