@@ -20,6 +20,7 @@ from shared import grpc_health
 from shared.sampling_params import SamplingParams
 from shared.shm import SHM_DIR
 from shared.tensor_codec import TensorCodec
+from worker.server import TRANSPORT_METADATA_KEY
 from shared.step import SeqChunk, StepRequest
 from shared.step_codec import step_request_to_proto, step_result_from_proto
 from tests.conftest import load_fixture
@@ -252,14 +253,58 @@ def test_a_copied_block_continues_a_prompt_as_the_original_would(worker):
     stub.Step(worker_pb2.StepRequest(finished=[111, 112]), timeout=10)
 
 
-def test_export_import_blocks_unimplemented(worker):
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_exported_blocks_imported_elsewhere_continue_the_prompt_exactly(worker, transport):
+    """ExportBlocks of a prefilled prompt's two full blocks, ImportBlocks into two other blocks
+    (through shared memory, or inline as between hosts): a sequence on the imported blocks
+    computes the rest of the prompt and samples what the original did, with the same logprob."""
     _, _, stub = worker
-    for call, req in ((stub.ExportBlocks, worker_pb2.ExportBlocksRequest()),
-                      (stub.ImportBlocks, worker_pb2.ImportBlocksRequest())):
+    md = ((TRANSPORT_METADATA_KEY, transport),)
+    prompt = list(range(400, 436))                                   # two full blocks of 16 + 4
+    a = step_result_from_proto(stub.Step(step_request_to_proto(
+        StepRequest([chunk(121, prompt, 0, [20, 21, 22], len(prompt))])), timeout=30)).results[0]
+    exported = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[20, 21])),
+                                 timeout=30, metadata=md)
+    kind = "ref" if transport == "shm" else "inline_tensor"
+    assert exported.layers and all(t.WhichOneof("storage") == kind for t in exported.layers)
+    reader = TensorCodec("inline")
+    layers = [reader.decode(t) for t in exported.layers]
+    assert layers[0].shape[:3] == (2, layers[0].shape[1], 2) and layers[0].dtype == np.float32
+    stub.ImportBlocks(worker_pb2.ImportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[30, 31]),
+                                                     layers=[reader.encode(x) for x in layers]), timeout=30)
+    b_chunk = chunk(122, prompt[32:], 32, [30, 31, 32], len(prompt))
+    b_chunk.prefix_ids = np.asarray(prompt[:32], np.int64)
+    b = step_result_from_proto(stub.Step(step_request_to_proto(StepRequest([b_chunk])), timeout=30)).results[0]
+    assert b.token_id == a.token_id and b.logprob == a.logprob
+    stub.Step(worker_pb2.StepRequest(finished=[121, 122]), timeout=10)
+
+
+def test_block_transfers_that_do_not_fit_are_invalid_argument(worker):
+    _, address, stub = worker
+    exported = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[1])),
+                                 timeout=30)
+    good = list(exported.layers)
+    reader = TensorCodec("inline")
+    first = reader.decode(good[0])
+    cases = [
+        (stub.ExportBlocks, worker_pb2.ExportBlocksRequest(), "no block ids"),
+        (stub.ExportBlocks, worker_pb2.ExportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[10**6])), "outside"),
+        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[5]),
+                                                           layers=good[:-1]), "layer arrays"),
+        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[5, 6]),
+                                                           layers=good), "shape"),
+        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(
+            blocks=worker_pb2.BlockRange(block_ids=[5]),
+            layers=[reader.encode(first.astype(np.float64))] + good[1:]), "dtype"),
+        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(
+            blocks=worker_pb2.BlockRange(block_ids=[5]),
+            layers=[reader.encode(np.full_like(first, np.nan))] + good[1:]), "NaN"),
+    ]
+    for call, request, words in cases:
         with pytest.raises(grpc.RpcError) as info:
-            call(req, timeout=10)
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "prefix checkpoints" in info.value.details()
+            call(request, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
+    assert grpc_health.check(address)
 
 
 def test_max_context_too_large_fails_at_start_with_numbers():

@@ -34,6 +34,7 @@ from shared.shm import ShmArena, ShmReader
 from shared.tensor_codec import TensorCodec, is_local_address
 from shared.step import StepRequest
 from shared.step_codec import step_request_from_proto, step_result_to_proto
+from worker import block_transfer
 from worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,6 @@ MAX_MESSAGE_BYTES = 256 * 2**20
 TRANSPORT_METADATA_KEY = "ts-tensor-transport"
 MAX_PEER_ARENAS = 16
 STEP_ORDER_WAIT_S = 5.0
-UNIMPLEMENTED_BLOCKS = ("KV block export/import arrives with prefix checkpoints; this worker does not "
-                        "implement {} yet (the scheduler must prefill instead of restoring KV)")
-
 
 class BadStep(ValueError):
     """A Step request the worker refuses: INVALID_ARGUMENT, the worker stays up."""
@@ -82,6 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.hostname = socket.gethostname()
         self.health: HealthReporter | None = None      # the grpc.health.v1 service, set by start_server
         self._lock = threading.Condition()
+        self._transfer_lock = threading.Lock()
         self._last_step_id = 0           # steps run in the order the scheduler numbered them
         self._reader = ShmReader()
         self._decoder = TensorCodec("inline", reader=self._reader)   # decodes refs and inline alike
@@ -98,12 +97,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._model_thread = model_thread or new_model_thread()
 
     # ------------------------------------------------------------------ helpers
-    def _response_codec(self, request: worker_pb2.StepRequest, context) -> TensorCodec:
-        wanted = None
+    @staticmethod
+    def _asked_transport(context) -> str | None:
+        """The transport the peer asked for in its metadata, if any."""
         for key, value in context.invocation_metadata() or ():
-            if key == TRANSPORT_METADATA_KEY:
-                wanted = str(value).strip().lower()
-        if wanted not in ("shm", "inline"):
+            if key == TRANSPORT_METADATA_KEY and str(value).strip().lower() in ("shm", "inline"):
+                return str(value).strip().lower()
+        return None
+
+    def _response_codec(self, request: worker_pb2.StepRequest, context) -> TensorCodec:
+        wanted = self._asked_transport(context)
+        if wanted is None:
             if self.transport != "auto":
                 wanted = self.transport
             elif any(c.token_ids.HasField("ref") or c.block_table.HasField("ref") for c in request.chunks):
@@ -272,10 +276,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context.abort(grpc.StatusCode.INTERNAL, f"worker step failed: {type(exc).__name__}: {exc}")
 
     def ExportBlocks(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, UNIMPLEMENTED_BLOCKS.format("ExportBlocks"))
+        """The K/V of the listed blocks, every layer; through shared memory to a peer on this host."""
+        try:
+            layers = self._model_thread.submit(block_transfer.export_blocks, self.runner.kv,
+                                               list(request.blocks.block_ids)).result()
+        except block_transfer.BlockTransferError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ExportBlocks: {exc}")
+        with self._transfer_lock:       # one export at a time writes the arena (valid until the next one)
+            codec = self._transfer_codec(context)
+            codec.begin_message()
+            return worker_pb2.ExportBlocksResponse(layers=[codec.encode(a) for a in layers])
 
     def ImportBlocks(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, UNIMPLEMENTED_BLOCKS.format("ImportBlocks"))
+        """Writes exported K/V into the listed blocks, between steps; nothing on a mismatch."""
+        try:
+            layers = [self._decoder.decode(t) for t in request.layers]
+            self._model_thread.submit(block_transfer.import_blocks, self.runner.kv, list(request.blocks.block_ids),
+                                      layers).result()
+        except (block_transfer.BlockTransferError, ValueError, OSError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ImportBlocks: {exc}")
+        return worker_pb2.ImportBlocksResponse()
+
+    def _transfer_codec(self, context) -> TensorCodec:
+        wanted = self._asked_transport(context) or (self.transport if self.transport != "auto" else None)
+        if wanted is None:
+            wanted = "shm" if is_local_address(peer_host(context.peer() or "")) else "inline"
+        if wanted == "inline":
+            return self._inline
+        with self._lock:        # one arena per peer for block transfers, apart from the steps' two
+            key = (context.peer() or "", "blocks")
+            arena = self._arenas.get(key)
+            if arena is None:
+                arena = self._arenas[key] = ShmArena()
+        return TensorCodec("shm", arena=arena, reader=self._reader)
 
     def close(self) -> None:
         """Refuses further steps, reports NOT_SERVING, and unlinks this worker's shared-memory segments."""
