@@ -31,6 +31,15 @@ class Block:
     token_ids: tuple[int, ...] = ()  # with hash: the tokens it holds
 
 
+def block_hash(salt: bytes, parent: bytes | None, token_ids) -> bytes:
+    """H(parent hash, the block's token ids, the model fingerprint): a prefix's identity, also
+    what a checkpointed block is checked against (scheduler/block_format.py)."""
+    h = hashlib.blake2b(parent or b"root", digest_size=16)
+    h.update(salt)
+    h.update(np.asarray(token_ids, np.int64).tobytes())
+    return h.digest()
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, fingerprint: str = ""):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -58,10 +67,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ hashing
     def block_hash(self, parent: bytes | None, token_ids) -> bytes:
-        h = hashlib.blake2b(parent or b"root", digest_size=16)
-        h.update(self._salt)
-        h.update(np.asarray(token_ids, np.int64).tobytes())
-        return h.digest()
+        return block_hash(self._salt, parent, token_ids)
 
     def extend_hashes(self, chain: list[bytes], tokens: list[int], n_blocks: int) -> list[bytes]:
         """Grow `chain` (the hashes of the first full blocks of `tokens`) to `n_blocks` entries."""

@@ -95,8 +95,13 @@ class ModelConfig:
 
 
 def model_fingerprint(gguf: GGUFFile) -> str:
-    """Identity of the weights for cache keys: architecture, tensor directory and a sample of tensor bytes."""
-    h = hashlib.sha256(gguf.architecture.encode())
+    """Identity of a model for cache keys and KV checkpoints: architecture, every hyper-parameter
+    under `<arch>.` (what shapes the K/V: heads, head size, RoPE base and scaling, windows, norm
+    epsilons), the tensor directory, and a sample of the tensor bytes."""
+    arch = gguf.architecture
+    h = hashlib.sha256(arch.encode())
+    for key in sorted(k for k in gguf.metadata if k.startswith(f"{arch}.")):
+        h.update(f"{key}={gguf.metadata[key]!r};".encode())
     for t in gguf.tensors.values():
         h.update(f"{t.name}:{t.ggml_type}:{t.shape}:{t.nbytes};".encode())
     for t in list(gguf.tensors.values())[:: max(1, len(gguf.tensors) // 16)]:

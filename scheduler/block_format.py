@@ -1,0 +1,121 @@
+"""One KV block as one stored value (a prefix checkpoint's unit, in Redis or on disk):
+
+    magic "TSKV" | format version (u16) | header length (u32) | header (JSON) | payload | sha256
+
+The header names everything the payload depends on: the model fingerprint, the KV codec, the
+block size, the layer count and K/V geometry, the block's hash and its parent's, and its token
+ids. The payload is each layer's [2 (K, V), kv_heads, block_size, head_dim] array in the codec's
+dtype, layer after layer. The checksum covers everything before it, so one value is written
+whole or read as a miss: a block is never two keys that could disagree.
+
+`decode` accepts a value only if it checks out against what this server would have written:
+anything else (another model, codec, block size or format version, a truncated value, a flipped
+byte, token ids that do not hash to the block's hash) raises `BlockRejected`, which the stores
+count as a miss, never an error for the request.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler.block_manager import block_hash
+
+MAGIC = b"TSKV"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHI")            # magic, version, header length
+_CHECKSUM_BYTES = 32                        # sha256
+CODEC_DTYPES = {"f32": "<f4", "f16": "<f2"}
+
+
+class BlockRejected(ValueError):
+    """A stored value that is not a usable block for this server; the message says why."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a block must match to be used by this server."""
+    fingerprint: str
+    codec: str
+    block_size: int
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int]:
+        return 2, self.kv_heads, self.block_size, self.head_dim
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(CODEC_DTYPES[self.codec])
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.n_layers * int(np.prod(self.layer_shape)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    geometry: Geometry
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    layers: tuple[np.ndarray, ...]         # each [2, kv_heads, block_size, head_dim]
+
+
+def encode(block: KVBlock) -> bytes:
+    g = block.geometry
+    if len(block.layers) != g.n_layers or any(a.shape != g.layer_shape for a in block.layers):
+        raise ValueError(f"a block of {g.n_layers} layers shaped {g.layer_shape} was expected")
+    if len(block.token_ids) != g.block_size:
+        raise ValueError(f"a full block holds {g.block_size} token ids, got {len(block.token_ids)}")
+    header = json.dumps({
+        "fingerprint": g.fingerprint, "codec": g.codec, "block_size": g.block_size, "n_layers": g.n_layers,
+        "kv_heads": g.kv_heads, "head_dim": g.head_dim, "hash": block.block_hash.hex(),
+        "parent": block.parent_hash.hex() if block.parent_hash is not None else None,
+        "token_ids": [int(t) for t in block.token_ids]}, separators=(",", ":")).encode()
+    payload = b"".join(np.ascontiguousarray(a, dtype=g.dtype).tobytes() for a in block.layers)
+    body = _PREFIX.pack(MAGIC, VERSION, len(header)) + header + payload
+    return body + hashlib.sha256(body).digest()
+
+
+def decode(value: bytes, expect: Geometry) -> KVBlock:
+    """The block in `value`, if it is one this server wrote for this model; else BlockRejected."""
+    if len(value) < _PREFIX.size + _CHECKSUM_BYTES:
+        raise BlockRejected(f"truncated ({len(value)} bytes)")
+    magic, version, header_len = _PREFIX.unpack_from(value)
+    if magic != MAGIC:
+        raise BlockRejected("not a TensorServe KV block")
+    if version != VERSION:
+        raise BlockRejected(f"format version {version}; this server reads version {VERSION}")
+    body, checksum = value[:-_CHECKSUM_BYTES], value[-_CHECKSUM_BYTES:]
+    if hashlib.sha256(body).digest() != checksum:
+        raise BlockRejected("checksum mismatch (truncated or altered)")
+    try:
+        header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
+        got = Geometry(str(header["fingerprint"]), str(header["codec"]), int(header["block_size"]),
+                       int(header["n_layers"]), int(header["kv_heads"]), int(header["head_dim"]))
+        digest = bytes.fromhex(header["hash"])
+        parent = bytes.fromhex(header["parent"]) if header["parent"] is not None else None
+        token_ids = tuple(int(t) for t in header["token_ids"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BlockRejected(f"unreadable header ({exc})") from None
+    for name in ("fingerprint", "codec", "block_size", "n_layers", "kv_heads", "head_dim"):
+        if getattr(got, name) != getattr(expect, name):
+            raise BlockRejected(f"another {name.replace('_', ' ')}: {getattr(got, name)!r}, this server uses "
+                                f"{getattr(expect, name)!r}")
+    if len(token_ids) != expect.block_size:
+        raise BlockRejected(f"{len(token_ids)} token ids in a block of {expect.block_size}")
+    if block_hash(expect.fingerprint.encode(), parent, token_ids) != digest:
+        raise BlockRejected("its token ids do not hash to its block hash")
+    payload = body[_PREFIX.size + header_len:]
+    if len(payload) != expect.payload_bytes:
+        raise BlockRejected(f"payload of {len(payload)} bytes, the geometry needs {expect.payload_bytes}")
+    flat = np.frombuffer(payload, dtype=expect.dtype).reshape(expect.n_layers, *expect.layer_shape)
+    if not np.isfinite(flat).all():
+        raise BlockRejected("its K/V hold NaN or infinity")
+    return KVBlock(expect, digest, parent, token_ids, tuple(flat))
