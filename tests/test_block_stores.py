@@ -1,0 +1,146 @@
+"""scheduler/block_stores: the directory store (the SSD tier) and the Redis store keep one value a
+block under the model's namespace, stay under their byte caps (least recently used out first),
+and never raise: an unwritable folder, a Redis absent at start, killed mid-run and back again are
+misses and failed puts until it works again. Redis is a private `redis-server` on a free port."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from processes import free_port, wait_for
+from scheduler.block_format import BlockRejected, decode, encode
+from scheduler.block_stores import DirectoryStore, RedisStore
+from test_block_format import GEOMETRY, make_block
+
+NS = GEOMETRY.fingerprint
+
+
+def blocks(n: int):
+    return [make_block(100 + i) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- directory
+def test_directory_round_trip_survives_a_restart_and_keeps_its_cap(tmp_path):
+    b = blocks(3)
+    values = [encode(x) for x in b]
+    cap = 2 * max(map(len, values))            # two blocks fit, three do not (their headers differ by a few bytes)
+    store = DirectoryStore(NS, tmp_path, max_bytes=cap)
+    assert store.put(b[0].block_hash, values[0]) and store.put(b[1].block_hash, values[1])
+    assert store.get(b[0].block_hash) == values[0]          # b[0] is now the most recently used
+    assert store.put(b[2].block_hash, values[2])           # over the cap: b[1], least recently used, goes
+    assert store.get(b[1].block_hash) is None and store.contains(b[0].block_hash) and store.contains(b[2].block_hash)
+    assert store.stats.evictions == 1 and store.used_bytes <= store.max_bytes
+    again = DirectoryStore(NS, tmp_path, max_bytes=cap)     # after a restart
+    assert decode(again.get(b[2].block_hash), GEOMETRY).token_ids == b[2].token_ids
+    assert again.used_bytes == len(values[0]) + len(values[2])
+    assert DirectoryStore("another-model", tmp_path, max_bytes=10**6).get(b[2].block_hash) is None
+
+
+def test_an_unwritable_directory_is_a_failed_put_not_an_error(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the folder should be")
+    store = DirectoryStore(NS, blocker, max_bytes=10**6)
+    block = make_block(1)
+    assert store.put(block.block_hash, encode(block)) is False and store.get(block.block_hash) is None
+    assert store.stats.put_failures == 1 and store.stats.errors >= 1
+
+
+def test_a_flipped_byte_on_disk_is_rejected(tmp_path):
+    block = make_block(2)
+    store = DirectoryStore(NS, tmp_path, max_bytes=10**6)
+    store.put(block.block_hash, encode(block))
+    path = store._path(block.block_hash)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(BlockRejected, match="checksum"):
+        decode(store.get(block.block_hash), GEOMETRY)
+
+
+# ----------------------------------------------------------------------------- redis
+class RedisServer:
+    def __init__(self, port: int, workdir):
+        self.port, self.workdir, self.proc = port, workdir, None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.workdir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+
+        def up():
+            try:
+                return client.ping()
+            except redis.RedisError:
+                return False
+        assert wait_for(up, 10), "redis-server did not start"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed here: the Redis store's tests need a private one")
+    server = RedisServer(free_port(), tmp_path)
+    server.start()
+    yield server
+    if server.proc.poll() is None:
+        server.kill()
+
+
+def test_redis_round_trip_ttl_and_cap(redis_server):
+    b = blocks(3)
+    values = [encode(x) for x in b]
+    store = RedisStore(NS, redis_server.url, ttl_s=600, max_bytes=2 * max(map(len, values)))
+    assert store.put(b[0].block_hash, values[0]) and store.put(b[1].block_hash, values[1])
+    time.sleep(0.01)
+    assert store.get(b[0].block_hash) == values[0]
+    assert store.put(b[2].block_hash, values[2])
+    assert store.get(b[1].block_hash) is None and store.contains(b[0].block_hash)
+    assert 0 < store.client.ttl(store._key(b[2].block_hash)) <= 600
+    assert RedisStore("another-model", redis_server.url, 600, 10**6).get(b[0].block_hash) is None
+
+
+def test_a_flipped_byte_in_redis_is_rejected(redis_server):
+    block = make_block(3)
+    store = RedisStore(NS, redis_server.url, ttl_s=600, max_bytes=10**6)
+    value = bytearray(encode(block))
+    value[-40] ^= 0x01
+    store.client.set(store._key(block.block_hash), bytes(value))
+    with pytest.raises(BlockRejected):
+        decode(store.get(block.block_hash), GEOMETRY)
+
+
+def test_redis_absent_killed_and_back_never_raises_and_resumes(tmp_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed here")
+    server = RedisServer(free_port(), tmp_path)
+    store = RedisStore(NS, server.url, ttl_s=600, max_bytes=10**6)
+    block = make_block(4)
+    t0 = time.monotonic()
+    assert store.get(block.block_hash) is None and store.put(block.block_hash, encode(block)) is False
+    assert time.monotonic() - t0 < 2.0, "an absent Redis must not hold requests up"
+    server.start()
+    try:
+        assert wait_for(lambda: store.put(block.block_hash, encode(block)), 10)     # retried after its pause
+        assert store.get(block.block_hash) == encode(block)
+        server.kill()
+        t0 = time.monotonic()
+        assert store.get(block.block_hash) is None and time.monotonic() - t0 < 2.0
+        server.start()                                             # back, empty (no persistence)
+        assert wait_for(lambda: store.put(block.block_hash, encode(block)), 10)
+        assert store.get(block.block_hash) == encode(block) and store.stats.errors >= 2
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
