@@ -27,6 +27,7 @@ import time
 from typing import Callable
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.tensorserve.v1 import worker_pb2, worker_pb2_grpc
@@ -203,6 +204,32 @@ class WorkerClient:
             return True
         except grpc.RpcError:
             return False
+
+    # ------------------------------------------------------------------ KV blocks (prefix checkpoints)
+    def export_blocks(self, block_ids: list[int], timeout_s: float = 60.0) -> list[np.ndarray]:
+        """The K/V of the blocks, one [2, kv_heads, blocks, block_size, head_dim] array a layer (copies)."""
+        try:
+            reply = self.stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
+                blocks=worker_pb2.BlockRange(block_ids=block_ids)), timeout=timeout_s,
+                metadata=((TRANSPORT_METADATA_KEY, self.transport), *self.metadata))
+        except grpc.RpcError as exc:
+            raise self._failure(exc) from None
+        reader = TensorCodec("inline")
+        try:
+            return [reader.decode(t).copy() for t in reply.layers]
+        finally:
+            reader.close()
+
+    def import_blocks(self, block_ids: list[int], layers: list[np.ndarray], timeout_s: float = 60.0) -> None:
+        codec = TensorCodec(self.transport)
+        try:
+            self.stub.ImportBlocks(worker_pb2.ImportBlocksRequest(
+                blocks=worker_pb2.BlockRange(block_ids=block_ids), layers=[codec.encode(a) for a in layers]),
+                timeout=timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise self._failure(exc) from None
+        finally:
+            codec.close()
 
     def _failure(self, exc: grpc.RpcError) -> WorkerFailure:
         return WorkerFailure(f"worker {self.address} failed: {_rpc_error_text(exc)} (restart the worker)",

@@ -29,6 +29,14 @@ def check_block_ids(pool: KVPool, block_ids: Sequence[int]) -> np.ndarray:
     return ids
 
 
+_DTYPE_NAMES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
+
+
+def pool_dtype_name(pool: KVPool) -> str:
+    """The pool's element type by its codec name (scheduler/block_format.py's CODEC_DTYPES)."""
+    return _DTYPE_NAMES[pool.caches[0][0].dtype]
+
+
 def layer_shape(pool: KVPool, num_blocks: int) -> tuple[int, ...]:
     k_cache, _ = pool.caches[0]
     kv_heads, _, block_size, head_dim = k_cache.shape

@@ -1,0 +1,82 @@
+"""scheduler/prefix_checkpoints.py with real workers: a prompt's full blocks saved from one worker
+into a directory store and a Redis store, that worker stopped, a new worker started (an empty
+pool: a restart), the blocks found by their hashes and imported: the rest of the prompt computed
+on them samples the cold run's token with the same log-probability. A corrupted value is a miss."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from processes import stop
+from scheduler.block_manager import block_hash
+from scheduler.block_stores import DirectoryStore, RedisStore
+from scheduler.prefix_checkpoints import PrefixCheckpoints, geometry_of
+from scheduler.worker_client import WorkerClient
+from shared.step import StepRequest
+from test_block_stores import RedisServer, redis_server  # noqa: F401  (a private redis-server fixture)
+from test_worker_process import chunk, start_worker
+
+PROMPT = list(range(500, 500 + 16 * 3 + 5))      # three full blocks of 16, then 5 tokens
+
+
+def _first_token(client: WorkerClient, request: StepRequest):
+    return client.step(request).results[0]
+
+
+@pytest.mark.parametrize("store_kind", ["directory", "redis"])
+def test_blocks_saved_before_a_restart_continue_the_prompt_exactly(tmp_path, redis_server, store_kind):
+    def store(geometry):
+        if store_kind == "directory":
+            return DirectoryStore(geometry.fingerprint, tmp_path / "checkpoints", max_bytes=2**30)
+        return RedisStore(geometry.fingerprint, redis_server.url, ttl_s=600, max_bytes=2**30)
+
+    proc, address = start_worker(tmp_path, name="before")
+    client = WorkerClient(address)
+    try:
+        geometry = geometry_of(client.describe())
+        cold = _first_token(client, StepRequest([chunk(1, PROMPT, 0, [0, 1, 2, 3], len(PROMPT))]))
+        salt = geometry.fingerprint.encode()
+        hashes, parents, tokens, parent = [], [], [], None
+        for i in range(3):
+            piece = PROMPT[16 * i:16 * (i + 1)]
+            parent_of_this = parent
+            parent = block_hash(salt, parent, piece)
+            hashes.append(parent)
+            parents.append(parent_of_this)
+            tokens.append(piece)
+        saved = PrefixCheckpoints([store(geometry)], geometry).save(client, [0, 1, 2], hashes, parents, tokens)
+        assert saved == 3
+    finally:
+        client.close()
+        assert stop(proc) == 0
+
+    proc, address = start_worker(tmp_path, name="after")          # a new process: an empty pool
+    client = WorkerClient(address)
+    try:
+        assert geometry_of(client.describe()) == geometry
+        checkpoints = PrefixCheckpoints([store(geometry)], geometry)
+        found = checkpoints.find(hashes + [b"\x00" * 16])             # the 4th is not stored: the prefix ends
+        assert [b.block_hash for b in found] == hashes
+        checkpoints.restore(client, [7, 8, 9], found)
+        rest = chunk(2, PROMPT[48:], 48, [7, 8, 9, 10], len(PROMPT))
+        rest.prefix_ids = np.asarray(PROMPT[:48], np.int64)
+        warm = _first_token(client, StepRequest([rest]))
+        assert warm.token_id == cold.token_id and warm.logprob == cold.logprob
+    finally:
+        client.close()
+        assert stop(proc) == 0
+
+
+def test_a_corrupted_stored_block_is_a_miss(tmp_path):
+    from test_block_format import GEOMETRY, make_block
+    from scheduler.block_format import encode
+    store = DirectoryStore(GEOMETRY.fingerprint, tmp_path, max_bytes=2**20)
+    good, bad = make_block(1), make_block(2)
+    bad = type(bad)(bad.geometry, bad.block_hash, good.block_hash, bad.token_ids, bad.layers)
+    store.put(good.block_hash, encode(good))
+    value = bytearray(encode(bad))
+    value[100] ^= 0xFF
+    store.put(bad.block_hash, bytes(value))
+    checkpoints = PrefixCheckpoints([store], GEOMETRY)
+    assert [b.block_hash for b in checkpoints.find([good.block_hash, bad.block_hash])] == [good.block_hash]
+    assert sum(checkpoints.rejected.values()) == 1
