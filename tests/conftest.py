@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from redis_server import redis_server  # noqa: F401  (a fixture for every test module)
+
 FIXTURES = Path(__file__).parent / "fixtures"
 MODELS = ["smollm2-135m", "gemma3-270m"]
 

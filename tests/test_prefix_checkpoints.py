@@ -13,7 +13,6 @@ from scheduler.block_stores import DirectoryStore, RedisStore
 from scheduler.prefix_checkpoints import PrefixCheckpoints, geometry_of
 from scheduler.worker_client import WorkerClient
 from shared.step import StepRequest
-from test_block_stores import RedisServer, redis_server  # noqa: F401  (a private redis-server fixture)
 from test_worker_process import chunk, start_worker
 
 PROMPT = list(range(500, 500 + 16 * 3 + 5))      # three full blocks of 16, then 5 tokens
@@ -24,11 +23,13 @@ def _first_token(client: WorkerClient, request: StepRequest):
 
 
 @pytest.mark.parametrize("store_kind", ["directory", "redis"])
-def test_blocks_saved_before_a_restart_continue_the_prompt_exactly(tmp_path, redis_server, store_kind):
+def test_blocks_saved_before_a_restart_continue_the_prompt_exactly(tmp_path, request, store_kind):
+    redis_url = request.getfixturevalue("redis_server").url if store_kind == "redis" else None
+
     def store(geometry):
         if store_kind == "directory":
             return DirectoryStore(geometry.fingerprint, tmp_path / "checkpoints", max_bytes=2**30)
-        return RedisStore(geometry.fingerprint, redis_server.url, ttl_s=600, max_bytes=2**30)
+        return RedisStore(geometry.fingerprint, redis_url, ttl_s=600, max_bytes=2**30)
 
     proc, address = start_worker(tmp_path, name="before")
     client = WorkerClient(address)
