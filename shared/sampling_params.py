@@ -24,6 +24,7 @@ MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20
 _PENALTY_RANGE = (-2.0, 2.0)
 _REPETITION_RANGE = (0.01, 10.0)     # 5e-324 is 0 in float32: the division made +inf logits
+_INT32_MAX, _INT64_MAX = 2**31 - 1, 2**63 - 1      # the wire's field widths (common.proto)
 
 
 def _is_int(x: object) -> bool:
@@ -69,15 +70,15 @@ class SamplingParams:
         def fail(name: str, rule: str, value: object) -> None:
             raise ValueError(f"{name} must be {rule}, got {value!r}")
 
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= _INT64_MAX:
             fail("max_tokens", "an integer >= 1", self.max_tokens)
 
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
             fail("temperature", f"a number in [0, {MAX_TEMPERATURE:g}]", t)
 
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            fail("top_k", "a positive integer, or 0 / -1 to disable it", self.top_k)
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)) or self.top_k > _INT32_MAX:
+            fail("top_k", f"an integer in [1, {_INT32_MAX}], or 0 / -1 to disable it", self.top_k)
 
         p = self.top_p
         if not _is_real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
@@ -98,11 +99,11 @@ class SamplingParams:
             if not _is_real(v) or not math.isfinite(v) or not lo <= v <= hi:
                 fail(name, f"a number in [{lo:g}, {hi:g}]", v)
 
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "an integer or None", self.seed)
+        if self.seed is not None and (not _is_int(self.seed) or not -_INT64_MAX - 1 <= self.seed <= _INT64_MAX):
+            fail("seed", "a 64-bit integer or None", self.seed)
 
         if not isinstance(self.stop_token_ids, tuple) or not all(
-            _is_int(x) and x >= 0 for x in self.stop_token_ids
+            _is_int(x) and 0 <= x <= _INT64_MAX for x in self.stop_token_ids
         ):
             fail("stop_token_ids", "a sequence of non-negative integers", self.stop_token_ids)
 

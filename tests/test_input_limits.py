@@ -135,7 +135,7 @@ def test_undecodable_grpc_messages_are_invalid_argument(served, method, payload,
     assert "not a valid tensorserve.v1." in info.value.details() and "Traceback" not in info.value.details()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(method=st.sampled_from(list(_PUBLIC)), payload=st.binary(max_size=64))
 def test_no_grpc_bytes_get_unknown_or_internal(served, method, payload):
     with grpc.insecure_channel(served["grpc"]) as channel:
@@ -173,7 +173,7 @@ _FIELDS = st.fixed_dictionaries({}, optional={
     "echo": st.booleans() | _JSON, "n": st.integers(0, 2) | _JSON, "seed": st.integers() | _JSON})
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=_FIELDS | _JSON)
 def test_no_json_body_gets_a_5xx(served, path, body):
     r = post(served, path, raw=json.dumps(body, allow_nan=True).encode(), timeout=60)
@@ -209,7 +209,8 @@ def test_schemathesis_finds_no_server_error(served):
     calls = []
 
     for operation in operations:
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)
         @given(case=operation.as_strategy().map(_short))
         def check(case):
             calls.append(case.call_and_validate(checks=[not_a_server_error], timeout=60).status_code)

@@ -407,7 +407,11 @@ def test_rejects_nan_logits_and_mismatched_lengths():
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
-    ({"repetition_penalty": 5e-324}, "repetition_penalty"),      # 0 in float32: +inf logits (schemathesis found it)
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+    ({"top_k": 27791255271094183289692560484728832}, "top_k"),      # past int32: schemathesis found a 500
+    ({"seed": 2**64}, "seed"),
+    ({"max_tokens": 2**63}, "max_tokens"),
+    ({"stop_token_ids": (2**63,)}, "stop_token_ids"),      # 0 in float32: +inf logits (schemathesis found it)
     ({"presence_penalty": 2.1}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"logprobs": -1}, "logprobs"),
