@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.common_config import DrainOptions, InternalOptions, LoggingOptions, ModelOptions, check_model
-from shared.options import Address, ConfigError, FilePath, Flag, Number, Port, Resolved, Text, option
+from shared.option_kinds import Address, FilePath, Flag, Number, Port, Text
+from shared.options import ConfigError, Resolved, option
 
 
 @dataclass(frozen=True, kw_only=True)

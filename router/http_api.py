@@ -7,8 +7,6 @@ GET /metrics. Errors use OpenAI's shape ``{"error": {"message", "type",
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import logging
 import time
@@ -23,6 +21,7 @@ from router import openapi_schemas as schemas
 from router import openai_shapes as oa
 from router import request_limits as limits
 from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent
+from router.http_events import ClientDisconnected, chain, events, prime
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics, read_supervisor_status
 from shared.sampling_params import MAX_LOGPROBS
 
@@ -124,8 +123,8 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         """Parse and validate a request, then start its generation: (prepared, stream?, usage?, events, first event)."""
         p, stream, include_usage = await prepare(await read_json(request))
         metrics.prompt_tokens.inc(len(p.prompt_ids))
-        gen = _events(frontend, p, request)
-        return p, stream, include_usage, gen, await _prime(gen)
+        gen = events(frontend, p, request)
+        return p, stream, include_usage, gen, await prime(gen)
 
     @app.post("/v1/completions", openapi_extra=schemas.body(schemas.COMPLETION_REQUEST))
     async def completions(request: Request):
@@ -148,7 +147,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
             texts, lp_all, finish = [], None, None
             lpc = oa.CompletionLogprobs()
             try:
-                async for ev in _chain(first, gen):
+                async for ev in chain(first, gen):
                     if isinstance(ev, (PromptEvent, DeltaEvent)):
                         texts.append(ev.text)
                         if want_lp:
@@ -172,7 +171,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
             lpc = oa.CompletionLogprobs()
             status = 200
             try:
-                async for ev in _chain(first, gen):
+                async for ev in chain(first, gen):
                     if isinstance(ev, (PromptEvent, DeltaEvent)):
                         lp = lpc.add(ev.logprobs or []) if want_lp else None
                         if ev.text or (lp and lp["tokens"]):
@@ -265,7 +264,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         if not stream:
             texts, lps, finish = [], [], None
             try:
-                async for ev in _chain(first, gen):
+                async for ev in chain(first, gen):
                     if isinstance(ev, DeltaEvent):
                         texts.append(ev.text)
                         if want_lp:
@@ -296,7 +295,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
             status = 200
             try:
                 yield oa.sse(chunk({"role": "assistant", "content": ""}, None, None))
-                async for ev in _chain(first, gen):
+                async for ev in chain(first, gen):
                     if isinstance(ev, DeltaEvent):
                         lp = oa.chat_logprobs(ev.logprobs or []) if want_lp else None
                         if ev.text or lp:
@@ -365,68 +364,3 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-# ----------------------------------------------------------------------------- event plumbing
-class ClientDisconnected(FrontendError):
-    def __init__(self) -> None:
-        super().__init__("the client closed the connection", 499, code="client_disconnected")
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body is read by then, so only http.disconnect comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _events(frontend: Frontend, p: Prepared, request: Request | None = None):
-    """frontend.generate, with echo-only scoring (echo + max_tokens 0) cut after the prompt. A
-    client that disconnects (streamed or not, before its first token or after) ends the
-    generation at once: closing `frontend.generate` cancels the scheduler call, which aborts the
-    sequence at the next step boundary and frees its blocks."""
-    score_only = getattr(p, "score_only", False)
-    agen = frontend.generate(p)
-    watcher = asyncio.ensure_future(_disconnected(request)) if request is not None else None
-    step = None
-    try:
-        while True:
-            step = asyncio.ensure_future(agen.__anext__())
-            if watcher is not None:
-                await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    raise ClientDisconnected()
-            try:
-                ev = await step
-            except StopAsyncIteration:
-                return
-            if score_only and isinstance(ev, DeltaEvent):
-                continue
-            if score_only and isinstance(ev, FinishEvent) and ev.error is None:
-                ev.completion_tokens = 0
-                ev.finish_reason = "length"
-            yield ev
-    finally:                 # the client left, or the response was cancelled: stop the pending read first
-        if watcher is not None:
-            watcher.cancel()
-        if step is not None and not step.done():
-            step.cancel()
-            with contextlib.suppress(BaseException):
-                await step
-        await agen.aclose()
-
-
-async def _prime(gen):
-    """The first event, so that a refusal before any output becomes an HTTP error status."""
-    try:
-        return await gen.__anext__()
-    except FrontendError:
-        await gen.aclose()
-        raise
-    except StopAsyncIteration:  # pragma: no cover - generate always ends with a FinishEvent
-        raise FrontendError("the scheduler sent nothing", 503, code="unavailable") from None
-
-
-async def _chain(first, gen):
-    yield first
-    async for ev in gen:
-        yield ev

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.common_config import DrainOptions, InternalOptions, LoggingOptions, TransportOptions, check_exposure
-from shared.options import Address, Flag, Integer, Number, Port, Resolved, Text, option
+from shared.option_kinds import Address, Flag, Integer, Number, Port, Text
+from shared.options import Resolved, option
 
 
 @dataclass(frozen=True, kw_only=True)

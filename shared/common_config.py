@@ -2,13 +2,15 @@
 configurations that need it (`router/config.py`, `scheduler/config.py`, `worker/config.py`)."""
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.blas_threads import set_compute_threads
-from shared.options import Choice, ConfigError, Kind, Number, Option, Resolved, Text, option, options_of, resolve
+from shared.option_kinds import Choice, Kind, Number, Text
+from shared.options import ConfigError, Option, Resolved, option, options_of, resolve
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MODEL = "smollm2-135m"
@@ -97,19 +99,23 @@ def log_effective(process: str, resolved: Resolved) -> None:
     log.info("%s options not at their defaults: %s", process, "; ".join(items) if items else "none")
 
 
-def check_model(resolved: Resolved) -> str:
+def check_model(resolved: Resolved):
     """Opens the model's GGUF header and metadata (no weights): a missing package or a bad file
-    is an error at the door. Returns its path."""
+    is an error at the door. Returns the opened file (once per process: `serve` checks the
+    router's and the worker's use of the same model)."""
     from shared.errors import TensorServeError
-    from shared.gguf_file import GGUFFile
-    from shared.model_registry import resolve_model, set_cache_dir
-    set_cache_dir(resolved.values["model_cache"])
     try:
-        path = resolve_model(resolved.values["model"])
-        GGUFFile(path)
+        return _open_model(resolved.values["model"], resolved.values["model_cache"])
     except (TensorServeError, OSError) as exc:
         raise ConfigError(f"{resolved.where('model')}: {exc}") from None
-    return str(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_model(model: str, model_cache: str):
+    from shared.gguf_file import GGUFFile
+    from shared.model_registry import resolve_model, set_cache_dir
+    set_cache_dir(model_cache)
+    return GGUFFile(resolve_model(model))
 
 
 def configure(process: str, cls: type | None, flags: Any, check: Callable[[Resolved], None] | None = None,
@@ -128,7 +134,7 @@ def configure(process: str, cls: type | None, flags: Any, check: Callable[[Resol
             set_compute_threads(resolved.values["threads"])
         if "model_cache" in resolved.values:
             from shared.model_registry import set_cache_dir
-            set_cache_dir(resolved.values["model_cache"])
+            set_cache_dir(resolved.values["model_cache"])        # before anything resolves a model
         setup_logging(resolved.values["log_level"])
         if check is not None:
             check(resolved)

@@ -13,7 +13,8 @@ from scheduler.engine import Engine
 from scheduler.sequence import Sequence
 from shared.model_registry import resolve_model
 from shared.sampling_params import SamplingParams
-from worker.model_runner import DEFAULT_KV_MEMORY, ModelRunner
+from worker.config import DEFAULT_KV_MEMORY
+from worker.model_runner import ModelRunner
 
 
 @dataclass

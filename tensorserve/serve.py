@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -30,7 +29,8 @@ from router import config as router_config
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from shared.common_config import LoggingOptions, configure
-from shared.options import Number, Resolved, Text, add_flags, option, options_of, product_variables
+from shared.option_kinds import Number, Text
+from shared.options import Resolved, add_flags, environment_without, option, options_of
 from tensorserve.supervisor import Child, free_port, write_status
 from worker import config as worker_config
 from worker.config import WorkerConfig
@@ -61,12 +61,6 @@ def _check(resolved: Resolved) -> None:
     router_config.check(resolved)
 
 
-def _child_environment() -> dict[str, str]:
-    """This environment less the product's variables: a child takes its options from serve alone."""
-    product = {e for options in CHILD_OPTIONS.values() for e in product_variables(options)}
-    return {k: v for k, v in os.environ.items() if k not in product}
-
-
 def run(flags: argparse.Namespace) -> int:
     configured = configure("serve", ServeOptions, flags, check=_check, options=OPTIONS)
     if isinstance(configured, int):
@@ -87,7 +81,7 @@ def run(flags: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tensorserve-") as tmp:
         ready_dir = Path(tmp)
         status_path = ready_dir / "supervisor.json"
-        environment = _child_environment()
+        environment = environment_without(o for options in CHILD_OPTIONS.values() for o in options)
 
         def child(name: str, config: Any) -> Child:
             c = Child(name, CHILD_OPTIONS[name], config, ready_dir, args.start_timeout, environment)

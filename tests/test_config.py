@@ -15,9 +15,9 @@ import yaml
 
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
-from shared.options import (Address, ConfigError, FilePath, Flag, Integer, Number, Option, Port, Size, Text,
-                            Choice, options_of, parse_size, resolve)
 from shared.common_config import ModelRef
+from shared.option_kinds import Address, Choice, FilePath, Flag, Integer, Number, Port, Size, Text, parse_size
+from shared.options import ConfigError, Option, options_of, resolve
 from tensorserve import cli, options_table
 from tensorserve.serve import OPTIONS as SERVE_OPTIONS
 from tensorserve.serve import ServeOptions

@@ -86,7 +86,7 @@ def worker(tmp_path_factory):
 def runner():
     """The in-process expectation: the same ModelRunner the worker wraps, with the same KV budget."""
     from shared.model_registry import resolve_model
-    from shared.options import parse_size
+    from shared.option_kinds import parse_size
     from worker.model_runner import ModelRunner
     return ModelRunner(resolve_model(MODEL), kv_memory=parse_size(KV_MEMORY))
 

@@ -6,14 +6,16 @@ from dataclasses import dataclass
 
 from shared.common_config import (InternalOptions, LoggingOptions, ModelOptions, TransportOptions, check_exposure,
                                   check_model)
-from shared.options import Choice, ConfigError, Integer, Port, Resolved, Size, Text, option
+from shared.option_kinds import Choice, Integer, Port, Size, Text
+from shared.options import ConfigError, Resolved, option
 
 DEFAULT_KV_MEMORY = 512 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig(InternalOptions, TransportOptions, LoggingOptions, ModelOptions):
-    host: str = option("127.0.0.1", "address the worker listens on", Text(metavar="HOST"), env="TS_WORKER_HOST", internal=True)
+    host: str = option("127.0.0.1", "address the worker listens on", Text(metavar="HOST"), env="TS_WORKER_HOST",
+                       internal=True)
     port: int = option(0, "gRPC port of the worker, 0 = a free one (printed)", Port(), env="TS_WORKER_PORT",
                        internal=True)
     ready_file: str | None = option(None, 'write {"address": "host:port", "pid": N, ...} here once listening',
@@ -32,12 +34,11 @@ class WorkerConfig(InternalOptions, TransportOptions, LoggingOptions, ModelOptio
 def check(resolved: Resolved) -> None:
     """What can be known before the weights load: the model opens, and --max-context fits in
     --kv-memory for this model (from its metadata)."""
-    from shared.gguf_file import GGUFFile
     from shared.model_config import ModelConfig
     from worker.kv_pool import bytes_per_block, plan_capacity
-    path = check_model(resolved)
+    gguf = check_model(resolved)
     v = resolved.values
-    config = ModelConfig.from_gguf(GGUFFile(path))
+    config = ModelConfig.from_gguf(gguf)
     per_block = bytes_per_block(config, v["block_size"])
     fits = (v["kv_memory"] // per_block) * v["block_size"]
     if fits < v["block_size"]:

@@ -17,6 +17,7 @@ from shared.gguf_file import GGUFFile
 from shared.model_config import ModelConfig
 from shared.sampling_params import SamplingParams
 from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
+from worker.config import DEFAULT_KV_MEMORY
 from worker.kv_pool import KVPool, plan_capacity
 from worker.models import ForwardInput, model_class
 from worker.sampling import Sampler, make_generator
@@ -24,7 +25,6 @@ from worker.weights import WeightLoader
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_MEMORY = 512 * 2**20
 LOGITS_ROWS_PER_SLICE = 64   # bounds the [rows, vocab] logits buffer when scoring long prompts
 
 
