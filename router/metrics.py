@@ -78,7 +78,7 @@ class RouterMetrics:
         self.kv_blocks_cached = Gauge("tensorserve_kv_blocks_cached",
                                       "KV blocks holding a cached prefix (in use or reclaimable)", registry=r)
         # polled totals, turned into counters (a scheduler restart starts them again from zero)
-        self._totals: dict[str, float] = {}
+        self._totals: dict = {}
         self.totals = {
             "prefix_cache_queried_tokens": Counter("tensorserve_prefix_cache_queries",
                                                    "Prompt tokens looked up in the prefix cache", registry=r),
@@ -88,6 +88,26 @@ class RouterMetrics:
             "tokens_computed": Counter("tensorserve_tokens_computed",
                                        "Tokens the worker computed (prompt chunks and decodes)", registry=r),
         }
+        self.checkpoint_totals = {
+            "restored_tokens": Counter("tensorserve_prefix_checkpoint_restored_tokens",
+                                       "Prompt tokens whose KV was restored from a checkpoint store", registry=r),
+            "saved_blocks": Counter("tensorserve_prefix_checkpoint_saved_blocks",
+                                    "KV blocks written to a checkpoint store", registry=r),
+            "saves_dropped": Counter("tensorserve_prefix_checkpoint_saves_dropped",
+                                     "KV blocks not written because the checkpoint writer was behind", registry=r),
+        }
+        self.checkpoint_rejected = Counter(
+            "tensorserve_prefix_checkpoint_rejected", "Stored KV blocks ignored as misses (other model, codec or "
+            "version, truncated, checksum or hash mismatch), by reason", ["reason"], registry=r)
+        self.store_totals = {name: Counter(f"tensorserve_checkpoint_store_{name}", text, ["store"], registry=r)
+                             for name, text in (("hits", "KV blocks read from the store"),
+                                                ("misses", "Lookups that ended at a block the store lacked"),
+                                                ("puts", "KV blocks written to the store"),
+                                                ("put_failures", "KV blocks the store could not take"),
+                                                ("errors", "Store operations that failed (store down or broken)"),
+                                                ("evictions", "KV blocks removed to keep the store under its cap"))}
+        self.store_available = Gauge("tensorserve_checkpoint_store_available",
+                                     "1 while the checkpoint store works, 0 while it fails", ["store"], registry=r)
         self.scheduler_up = Gauge("tensorserve_scheduler_up", "1 when the last Stats call to the scheduler succeeded",
                                   registry=r)
 
@@ -107,10 +127,24 @@ class RouterMetrics:
         self.preempted.set(stats.preempted)
         self.kv_blocks_cached.set(stats.kv_blocks_cached)
         for name, counter in self.totals.items():
-            total = float(getattr(stats, name))
-            last = self._totals.get(name, 0.0)
-            counter.inc(total - last if total >= last else total)
-            self._totals[name] = total
+            self._advance(name, counter, getattr(stats, name))
+        if stats.HasField("checkpoints"):
+            c = stats.checkpoints
+            for name, counter in self.checkpoint_totals.items():
+                self._advance(name, counter, getattr(c, name))
+            for reason, total in c.rejected.items():
+                self._advance(("rejected", reason), self.checkpoint_rejected.labels(reason=reason), total)
+            for store in c.stores:
+                for name, counter in self.store_totals.items():
+                    self._advance((store.name, name), counter.labels(store=store.name), getattr(store, name))
+                self.store_available.labels(store=store.name).set(1 if store.available else 0)
+
+    def _advance(self, key, counter, total) -> None:
+        """Move a counter to a polled total (a total that went down started again from zero)."""
+        total = float(total)
+        last = self._totals.get(key, 0.0)
+        counter.inc(total - last if total >= last else total)
+        self._totals[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

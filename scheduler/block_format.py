@@ -1,12 +1,14 @@
 """One KV block as one stored value (a prefix checkpoint's unit, in Redis or on disk):
 
-    magic "TSKV" | format version (u16) | header length (u32) | header (JSON) | payload | sha256
+    magic "TSKV" | format version (u16) | header length (u32) | header (JSON) | payload | xxh3-128
 
 The header names everything the payload depends on: the model fingerprint, the KV codec, the
 block size, the layer count and K/V geometry, the block's hash and its parent's, and its token
 ids. The payload is each layer's [2 (K, V), kv_heads, block_size, head_dim] array in the codec's
 dtype, layer after layer. The checksum covers everything before it, so one value is written
-whole or read as a miss: a block is never two keys that could disagree.
+whole or read as a miss: a block is never two keys that could disagree. It is xxh3-128, not a
+cryptographic hash: it guards against truncation and bit rot at memory speed (a restore checks
+tens of megabytes on the request's critical path); the stores are the operator's, not a client's.
 
 `decode` accepts a value only if it checks out against what this server would have written:
 anything else (another model, codec, block size or format version, a truncated value, a flipped
@@ -15,19 +17,19 @@ count as a miss, never an error for the request.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from scheduler.block_manager import block_hash
 
 MAGIC = b"TSKV"
-VERSION = 1
+VERSION = 2                                 # 2: xxh3-128 checksum (1: sha256)
 _PREFIX = struct.Struct("<4sHI")            # magic, version, header length
-_CHECKSUM_BYTES = 32                        # sha256
+_CHECKSUM_BYTES = 16                        # xxh3-128
 CODEC_DTYPES = {"f32": "<f4", "f16": "<f2"}
 
 
@@ -44,6 +46,12 @@ class Geometry:
     n_layers: int
     kv_heads: int
     head_dim: int
+
+    @property
+    def namespace(self) -> str:
+        """Where a store keeps this geometry's blocks: blocks of another model, codec, block size or
+        format version are never read (a value that is read and rejected is then damaged)."""
+        return f"{self.fingerprint}-{self.codec}-b{self.block_size}-v{VERSION}"
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int]:
@@ -80,7 +88,7 @@ def encode(block: KVBlock) -> bytes:
         "token_ids": [int(t) for t in block.token_ids]}, separators=(",", ":")).encode()
     payload = b"".join(np.ascontiguousarray(a, dtype=g.dtype).tobytes() for a in block.layers)
     body = _PREFIX.pack(MAGIC, VERSION, len(header)) + header + payload
-    return body + hashlib.sha256(body).digest()
+    return body + xxhash.xxh3_128_digest(body)
 
 
 def decode(value: bytes, expect: Geometry) -> KVBlock:
@@ -92,11 +100,12 @@ def decode(value: bytes, expect: Geometry) -> KVBlock:
         raise BlockRejected("not a TensorServe KV block")
     if version != VERSION:
         raise BlockRejected(f"format version {version}; this server reads version {VERSION}")
-    body, checksum = value[:-_CHECKSUM_BYTES], value[-_CHECKSUM_BYTES:]
-    if hashlib.sha256(body).digest() != checksum:
+    view = memoryview(value)
+    body, checksum = view[:-_CHECKSUM_BYTES], bytes(view[-_CHECKSUM_BYTES:])
+    if xxhash.xxh3_128_digest(body) != checksum:
         raise BlockRejected("checksum mismatch (truncated or altered)")
     try:
-        header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len])
+        header = json.loads(bytes(body[_PREFIX.size:_PREFIX.size + header_len]))
         got = Geometry(str(header["fingerprint"]), str(header["codec"]), int(header["block_size"]),
                        int(header["n_layers"]), int(header["kv_heads"]), int(header["head_dim"]))
         digest = bytes.fromhex(header["hash"])

@@ -157,6 +157,17 @@ class BlockManager:
                     block.token_ids = tuple(tokens[i * bs:(i + 1) * bs])
                     self._children.setdefault(block.parent, set()).add(block.block_id)
 
+    def register(self, block_id: int, digest: bytes, parent: bytes | None, token_ids) -> bool:
+        """Register one full, computed block under `digest` (a block restored from a prefix
+        checkpoint); False when another block holds that prefix already."""
+        block = self.blocks[block_id]
+        if digest in self._by_hash or block.hash is not None:
+            return False
+        block.hash, block.parent, block.token_ids = digest, parent, tuple(token_ids)
+        self._by_hash[digest] = block_id
+        self._children.setdefault(parent, set()).add(block_id)
+        return True
+
     def _forget(self, block: Block) -> None:
         if self._by_hash.get(block.hash) == block.block_id:
             del self._by_hash[block.hash]

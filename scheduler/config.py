@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.common_config import DrainOptions, InternalOptions, LoggingOptions, TransportOptions, check_exposure
-from shared.option_kinds import Address, Flag, Integer, Number, Port, Text
+from shared.common_config import (DEFAULT_MODEL_CACHE, DrainOptions, InternalOptions, LoggingOptions,
+                                   TransportOptions, check_exposure)
+from shared.option_kinds import Address, Flag, Integer, Number, Port, Size, Text
 from shared.options import Resolved, option
 
 
@@ -28,9 +29,21 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
                                    "scheduling): the host's work per step is paid once for all of them, and "
                                    "tokens reach clients that many at a time", Integer(1, 64))
     enable_prefix_caching: bool = option(True, "reuse the KV of blocks shared with earlier prompts", Flag())
-    redis_url: str | None = option(None, "Redis for prefix checkpoints, e.g. redis://redis:6379/0 (declared for "
-                                   "compose; prefix checkpoints are not built yet, so nothing connects to it)",
+    prefix_checkpoints: bool = option(True, "keep computed prompt blocks in the checkpoint stores (the "
+                                      "--checkpoint-dir folder, and Redis with --redis-url) and restore them "
+                                      "instead of prefilling again, after restarts and across servers",
+                                      Flag())
+    checkpoint_dir: str = option(DEFAULT_MODEL_CACHE + "/checkpoints", "folder of the local prefix-checkpoint "
+                                 "store (the SSD tier), one subfolder per model", Text(metavar="DIR"))
+    checkpoint_dir_max_bytes: int = option(8 * 2**30, "size cap of --checkpoint-dir (least recently used "
+                                           "blocks are removed past it)", Size())
+    redis_url: str | None = option(None, "Redis for prefix checkpoints shared by every server of a model, e.g. "
+                                   "redis://redis:6379/0; serving goes on while it is unreachable",
                                    Text(metavar="URL"))
+    redis_ttl: int = option(7 * 86400, "seconds a checkpoint block lives in Redis after it is written",
+                            Integer(1))
+    redis_max_bytes: int = option(4 * 2**30, "size cap of the blocks this model keeps in Redis (least recently "
+                                  "used removed past it)", Size())
     worker_probe_after: float = option(10.0, "seconds a worker step may run before the scheduler asks the "
                                        "worker's health, and drops the connection if no answer comes",
                                        Number(0, exclusive=True), env="TS_WORKER_PROBE_AFTER_S")

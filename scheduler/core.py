@@ -33,6 +33,7 @@ from typing import Callable
 import grpc
 
 from protos.tensorserve.v1 import common_pb2, scheduler_pb2
+from scheduler.checkpoint_tier import CheckpointTier, checkpoint_stats, open_tier
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.events import final_event, progress_event
@@ -86,6 +87,8 @@ class SchedulerCore:
         self._handles: dict[str, _Handle] = {}          # in flight, by request id (under _cond)
         self._by_seq: dict[int, _Handle] = {}           # engine-loop only
         self.engine: Engine | None = None
+        self._stores: dict[str, list] = {}              # the checkpoint stores, by model fingerprint
+        self._tier: CheckpointTier | None = None        # the current engine's
         self.client: WorkerClient | None = None
         self.description = None
         self.health_message = ("waiting for a worker to register (no --worker given)" if not worker_address
@@ -110,6 +113,11 @@ class SchedulerCore:
         self._thread.join(timeout)
         if self.client is not None:
             self.client.close()
+        if self._tier is not None:
+            self._tier.close()
+        for stores in self._stores.values():
+            for store in stores:
+                store.close()
 
     @property
     def ready(self) -> bool:
@@ -279,7 +287,7 @@ class SchedulerCore:
             client.close()
             log.warning("cannot dial worker at %s: %s", address, exc)
             return False
-        engine = self._new_engine(d)
+        engine = self._new_engine(d, client)
         with self._cond:
             if self.client is not None:
                 self.client.close()
@@ -292,12 +300,15 @@ class SchedulerCore:
                  d.max_context, d.vocab_size, client.transport)
         return True
 
-    def _new_engine(self, d) -> Engine:
+    def _new_engine(self, d, client: WorkerClient) -> Engine:
+        if self._tier is not None:
+            self._tier.close()
+        tier = self._tier = open_tier(self.config, d, client, self._stores) if self.enable_prefix_caching else None
         return Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
                       max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                       fingerprint=d.fingerprint, enable_prefix_caching=self.enable_prefix_caching,
                       submit=self._submit, max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-                      num_decode_steps=self.num_decode_steps)
+                      num_decode_steps=self.num_decode_steps, checkpoints=tier)
 
     def _on_worker_failure(self, exc: WorkerFailure) -> None:
         message = str(exc)
@@ -312,8 +323,7 @@ class SchedulerCore:
     def _reset_engine(self, code: str, message: str) -> None:
         old = self.engine
         self._fail_everything(code, message, drop_engine=False)
-        d = self.description
-        engine = self._new_engine(d)
+        engine = self._new_engine(self.description, self.client)
         # the worker may drop what it remembers of the old engine's sequences
         engine._finished_ids = [s.seq_id for s in [*old.waiting, *old.preempted, *old.running]] + old._finished_ids
         with self._cond:
@@ -383,6 +393,8 @@ class SchedulerCore:
             s.preemptions = e.num_preemptions
             s.kv_used_fraction = (total - free) / total if total else 0.0
             s.block_size, s.max_context = e.blocks.block_size, e.max_context
+            if e.checkpoints is not None:
+                s.checkpoints.CopyFrom(checkpoint_stats(e))
         self._snapshot = s
 
     # ------------------------------------------------------------------ events

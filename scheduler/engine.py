@@ -8,7 +8,9 @@ sampled tokens back in. A prompt whose leading full blocks are in the prefix
 cache starts after them, and after the first tokens it shares with a cached
 block that follows them (in a copy of that block). When a running sequence needs a block and none is
 free, the most recently arrived running sequence is preempted: its blocks are
-released (they stay in the prefix cache) and it is recomputed later.
+released (they stay in the prefix cache) and it is recomputed later. With prefix checkpoints
+(scheduler/checkpoint_tier.py), the blocks a prompt misses in the pool are looked up in the stores
+before it is admitted, and its full prompt blocks are written to them as they are computed.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from scheduler.block_manager import BlockManager
+from scheduler.checkpoint_tier import CheckpointTier
 from scheduler.sequence import Sequence, Status
 from shared.step import SeqChunk, StepRequest, StepResult
 
@@ -42,7 +45,8 @@ class Engine:
     def __init__(self, executor: Executor, num_blocks: int, block_size: int, max_context: int,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  fingerprint: str = "", enable_prefix_caching: bool = True, submit: Submit | None = None,
-                 max_prefill_tokens_while_decoding: int | None = None, num_decode_steps: int = 1):
+                 max_prefill_tokens_while_decoding: int | None = None, num_decode_steps: int = 1,
+                 checkpoints: CheckpointTier | None = None):
         self.executor = executor
         self.submit = submit
         self._in_flight: _Launched | None = None
@@ -65,6 +69,8 @@ class Engine:
         self._copies: list[tuple[int, int]] = []       # KV block copies for the next launched step
         self._copy_sources: list[int] = []             # their source blocks, held until then
         self.num_preemptions = 0                       # since start: sequences sent back to recompute
+        self.checkpoints = checkpoints if enable_prefix_caching else None
+        self.restored_tokens = 0                       # since start: prompt tokens restored from the stores
 
     def add(self, seq: Sequence) -> None:
         limit = self.max_context
@@ -166,6 +172,11 @@ class Engine:
         n_blocks = (seq.num_tokens - 1) // bs
         self.blocks.extend_hashes(seq.block_hashes, seq.tokens, n_blocks)
         hits = self.blocks.lookup(seq.block_hashes[:n_blocks])
+        if self.checkpoints is not None and len(hits) < n_blocks and not seq.stores_checked:
+            restored = self.checkpoints.restore_into_pool(self.blocks, seq, hits, n_blocks)
+            if restored:
+                self.restored_tokens += restored * bs
+                hits = self.blocks.lookup(seq.block_hashes[:n_blocks])
         partial = None
         start = len(hits) * bs
         limit = min(bs - 1, seq.num_tokens - 1 - start)
@@ -197,6 +208,7 @@ class Engine:
         freed = self.blocks.free(seq.block_table)
         self.running.remove(seq)
         seq.num_computed = seq.num_committed_blocks = 0
+        seq.stores_checked = False
         seq.prompt_scores.clear()                      # recomputed with the prompt
         seq.status = Status.PREEMPTED
         seq.num_preemptions += 1
@@ -215,8 +227,13 @@ class Engine:
         once by the next one, launched before this one's result is read: its chunks carry
         the placeholder token -1 ("the token you sampled last for this sequence"), so the
         worker never waits for the scheduler between decode steps."""
+        self._release_exported()
         if self._in_flight is None:
             plan = self._schedule()
+            if not plan and self.checkpoints is not None and self.checkpoints.holding:
+                self.checkpoints.wait_for_release()    # blocks held for a checkpoint's export
+                self._release_exported()
+                plan = self._schedule()
             if not plan:
                 if self.has_work():
                     raise RuntimeError("no sequence could be scheduled: the KV pool is too small for the "
@@ -340,6 +357,14 @@ class Engine:
             self.blocks.extend_hashes(seq.block_hashes, seq.tokens, full)
             self.blocks.commit(seq.block_table, seq.block_hashes, seq.num_committed_blocks, full, seq.tokens)
             seq.num_committed_blocks = full
+            if self.checkpoints is not None:
+                self.checkpoints.save_prompt_blocks(self.blocks, seq, full)
+
+    def _release_exported(self) -> None:
+        """Drop the references held on blocks a checkpoint has finished exporting."""
+        if self.checkpoints is not None:
+            for held in self.checkpoints.released():
+                self.blocks.free(held)
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED

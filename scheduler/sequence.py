@@ -37,6 +37,8 @@ class Sequence:
     num_computed: int = 0                      # tokens whose K/V is in the cache
     block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache hashes of its full blocks
     num_committed_blocks: int = 0              # leading blocks registered in the prefix cache
+    num_saved_blocks: int = 0                  # leading prompt blocks handed to the prefix checkpoints
+    stores_checked: bool = False               # its prefix was looked up in the checkpoint stores (this admission)
     num_cached_tokens: int = -1                # prompt tokens taken from the prefix cache (first admission)
     send_prefix: bool = False                  # next chunk carries tokens [0, start): the worker may not have them
     status: Status = Status.WAITING

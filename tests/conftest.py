@@ -1,4 +1,6 @@
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -6,6 +8,12 @@ import pytest
 from redis_server import redis_server  # noqa: F401  (a fixture for every test module)
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# Servers the tests start write no prefix checkpoints unless a test turns them on (a block left by
+# one test would be restored in another, whose cached_tokens would then differ), and never into
+# the user's cache.
+os.environ.setdefault("TS_PREFIX_CHECKPOINTS", "0")
+os.environ.setdefault("TS_CHECKPOINT_DIR", tempfile.mkdtemp(prefix="tensorserve-test-checkpoints-"))
 MODELS = ["smollm2-135m", "gemma3-270m"]
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.block_format import MAGIC, BlockRejected, Geometry, KVBlock, decode, encode
+from scheduler.block_format import MAGIC, VERSION, BlockRejected, Geometry, KVBlock, decode, encode
 from scheduler.block_manager import BlockManager, block_hash
 
 GEOMETRY = Geometry(fingerprint="7ca25d631175b423cbef161bd44ac293", codec="f32", block_size=16, n_layers=3,
@@ -48,8 +48,8 @@ def test_another_model_codec_or_geometry_is_rejected(field, value):
 
 def test_another_format_version_or_no_block_at_all_is_rejected():
     stored = bytearray(encode(make_block(4)))
-    struct.pack_into("<H", stored, len(MAGIC), 2)
-    with pytest.raises(BlockRejected, match="format version 2"):
+    struct.pack_into("<H", stored, len(MAGIC), VERSION + 1)
+    with pytest.raises(BlockRejected, match=f"format version {VERSION + 1}"):
         decode(bytes(stored), GEOMETRY)
     with pytest.raises(BlockRejected, match="not a TensorServe KV block"):
         decode(b"GIF89a" + bytes(100), GEOMETRY)

@@ -23,7 +23,7 @@ class BlockStore(ABC):
     name = "store"
 
     def __init__(self, namespace: str):
-        self.namespace = namespace            # the model fingerprint: blocks of other models are never seen
+        self.namespace = namespace            # Geometry.namespace: blocks of other models are never seen
         self.stats = StoreStats()
         self._log = logging.getLogger(f"scheduler.block_stores.{self.name}")
         self._failing: str | None = None      # the cause being reported, until an operation succeeds again
@@ -40,8 +40,28 @@ class BlockStore(ABC):
     def contains(self, block_hash: bytes) -> bool:
         ...
 
+    @abstractmethod
+    def discard(self, block_hash: bytes) -> None:
+        """Removes a value that did not check out (it is rewritten from the pool later)."""
+
+    def get_prefix(self, block_hashes: list[bytes]) -> list[bytes]:
+        """The values of the longest leading run of `block_hashes` this store holds (a prefix's
+        blocks are wanted in order, and only up to the first one missing)."""
+        values = []
+        for digest in block_hashes:
+            value = self.get(digest)
+            if value is None:
+                break
+            values.append(value)
+        return values
+
     def close(self) -> None:
         pass
+
+    @property
+    def available(self) -> bool:
+        """False while the store's last operation failed."""
+        return self._failing is None
 
     # ------------------------------------------------------------------ for implementations
     def _failed(self, what: str, exc: BaseException) -> None:

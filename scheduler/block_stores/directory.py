@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -22,6 +23,7 @@ class DirectoryStore(BlockStore):
         self.max_bytes = max_bytes
         self._sizes: OrderedDict[str, int] = OrderedDict()     # file name -> bytes, least recently used first
         self._bytes = 0
+        self._lock = threading.Lock()     # the engine loop reads while the checkpoint writer writes
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             entries = sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
@@ -50,13 +52,24 @@ class DirectoryStore(BlockStore):
             return None
         self._succeeded()
         self.stats.hits += 1
-        if path.name in self._sizes:
-            self._sizes.move_to_end(path.name)
+        with self._lock:
+            if path.name in self._sizes:
+                self._sizes.move_to_end(path.name)
         try:
             os.utime(path)                # recency survives a restart
         except OSError:
             pass
         return value
+
+    def discard(self, block_hash: bytes) -> None:
+        path = self._path(block_hash)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            self._failed("delete", exc)
+            return
+        with self._lock:
+            self._bytes -= self._sizes.pop(path.name, 0)
 
     def contains(self, block_hash: bytes) -> bool:
         return self._path(block_hash).is_file()
@@ -82,9 +95,10 @@ class DirectoryStore(BlockStore):
             return False
         self._succeeded()
         self.stats.puts += 1
-        self._bytes += len(value) - self._sizes.pop(path.name, 0)
-        self._sizes[path.name] = len(value)
-        self._evict()
+        with self._lock:
+            self._bytes += len(value) - self._sizes.pop(path.name, 0)
+            self._sizes[path.name] = len(value)
+            self._evict()
         return True
 
     def _evict(self) -> None:

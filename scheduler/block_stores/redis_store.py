@@ -9,7 +9,8 @@ import time
 
 from scheduler.block_stores.base import Backoff, BlockStore
 
-KEY_PREFIX = "tensorserve:kv:v1"
+KEY_PREFIX = "tensorserve:kv"
+READ_BATCH = 16          # keys a round trip when reading a prefix: few trips, little read past its end
 
 
 class RedisStore(BlockStore):
@@ -25,6 +26,7 @@ class RedisStore(BlockStore):
         self.prefix = f"{KEY_PREFIX}:{namespace}"
         self._index = f"{self.prefix}:index"         # member: block key, score: last use (unix time)
         self._sizes = f"{self.prefix}:sizes"         # hash: block key -> bytes
+        self._total = f"{self.prefix}:bytes"         # the sizes' sum, kept beside them
         self._backoff = Backoff()
 
     def _key(self, block_hash: bytes) -> str:
@@ -59,6 +61,37 @@ class RedisStore(BlockStore):
             self.stats.hits += 1
         return value
 
+    def get_prefix(self, block_hashes: list[bytes]) -> list[bytes]:
+        def read():
+            values: list[bytes] = []
+            for start in range(0, len(block_hashes), READ_BATCH):
+                keys = [self._key(h) for h in block_hashes[start:start + READ_BATCH]]
+                got = self.client.mget(keys)
+                run = next((i for i, v in enumerate(got) if v is None), len(got))
+                values += got[:run]
+                if run:
+                    self.client.zadd(self._index, {k: time.time() for k in keys[:run]})
+                if run < len(got):
+                    break
+            return values
+        values = self._call("read", read, [])
+        self.stats.hits += len(values)
+        self.stats.misses += len(values) < len(block_hashes)
+        return values
+
+    def discard(self, block_hash: bytes) -> None:
+        key = self._key(block_hash)
+
+        def delete():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.zrem(self._index, key)
+            pipe.hget(self._sizes, key)
+            pipe.hdel(self._sizes, key)
+            size = pipe.execute()[2]
+            self.client.decrby(self._total, int(size or 0))
+        self._call("delete", delete, None)
+
     def contains(self, block_hash: bytes) -> bool:
         return bool(self._call("read", lambda: self.client.exists(self._key(block_hash)), 0))
 
@@ -73,8 +106,10 @@ class RedisStore(BlockStore):
             pipe.set(key, value, ex=self.ttl_s)            # the value is one SET: whole or absent
             pipe.zadd(self._index, {key: time.time()})
             pipe.hset(self._sizes, key, len(value))
-            pipe.execute()
-            self._evict()
+            pipe.incrby(self._total, len(value))
+            total = pipe.execute()[-1]
+            if total > self.max_bytes:
+                self._evict(total)
             return True
         ok = self._call("write", write, False)
         if ok:
@@ -83,21 +118,20 @@ class RedisStore(BlockStore):
             self.stats.put_failures += 1
         return ok
 
-    def _evict(self) -> None:
-        sizes = {k.decode(): int(v) for k, v in self.client.hgetall(self._sizes).items()}
-        total = sum(sizes.values())
-        if total <= self.max_bytes:
-            return
+    def _evict(self, total: int) -> None:
+        """Removes least recently used blocks until the sizes' sum is under the cap (blocks that
+        expired by their TTL are still in the index: removing them only corrects the sum)."""
         for raw in self.client.zrange(self._index, 0, -1):
             if total <= self.max_bytes:
                 break
             key = raw.decode()
+            size = int(self.client.hget(self._sizes, key) or 0)
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(key)
             pipe.zrem(self._index, key)
             pipe.hdel(self._sizes, key)
-            pipe.execute()
-            total -= sizes.get(key, 0)
+            pipe.decrby(self._total, size)
+            total = pipe.execute()[-1]
             self.stats.evictions += 1
 
     def close(self) -> None:

@@ -66,7 +66,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("running", "waiting", "preempted", "kv_blocks_total", "kv_blocks_free", "kv_used_fraction", "tokens_computed", "steps", "block_size", "max_context", "kv_blocks_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "preemptions", "status", "status_message", "components")
+    __slots__ = ("running", "waiting", "preempted", "kv_blocks_total", "kv_blocks_free", "kv_used_fraction", "tokens_computed", "steps", "block_size", "max_context", "kv_blocks_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "preemptions", "status", "status_message", "components", "checkpoints")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class StatsResponse(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     preempted: int
@@ -101,7 +102,49 @@ class StatsResponse(_message.Message):
     status: _common_pb2.ServingStatus
     status_message: str
     components: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentHealth]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., preempted: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_used_fraction: _Optional[float] = ..., tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.ServingStatus, str]] = ..., status_message: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentHealth, _Mapping]]] = ...) -> None: ...
+    checkpoints: PrefixCheckpointStats
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., preempted: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_used_fraction: _Optional[float] = ..., tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.ServingStatus, str]] = ..., status_message: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentHealth, _Mapping]]] = ..., checkpoints: _Optional[_Union[PrefixCheckpointStats, _Mapping]] = ...) -> None: ...
+
+class PrefixCheckpointStats(_message.Message):
+    __slots__ = ("restored_tokens", "saved_blocks", "saves_dropped", "rejected", "stores")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SAVES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    restored_tokens: int
+    saved_blocks: int
+    saves_dropped: int
+    rejected: _containers.ScalarMap[str, int]
+    stores: _containers.RepeatedCompositeFieldContainer[BlockStoreStats]
+    def __init__(self, restored_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., saves_dropped: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., stores: _Optional[_Iterable[_Union[BlockStoreStats, _Mapping]]] = ...) -> None: ...
+
+class BlockStoreStats(_message.Message):
+    __slots__ = ("name", "hits", "misses", "puts", "put_failures", "errors", "evictions", "available")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    PUT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    hits: int
+    misses: int
+    puts: int
+    put_failures: int
+    errors: int
+    evictions: int
+    available: bool
+    def __init__(self, name: _Optional[str] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., put_failures: _Optional[int] = ..., errors: _Optional[int] = ..., evictions: _Optional[int] = ..., available: _Optional[bool] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "address", "hostname")
