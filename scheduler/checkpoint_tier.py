@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ class _Promote:
 @dataclass
 class TierStats:
     restored_blocks: int = 0
+    restored_bytes: int = 0                 # stored values' bytes of the restored blocks
+    restore_seconds: float = 0.0            # reading, checking and importing them
     saved_blocks: int = 0                   # blocks written to at least one store that lacked them
     exported_blocks: int = 0
     saves_dropped: int = 0                  # the writer's queue was full
@@ -88,6 +91,7 @@ class CheckpointTier:
         those found into free pool blocks, registered as cached prefix blocks (the engine's next
         lookup takes them); returns how many. Runs with no step in flight."""
         seq.stores_checked = True
+        started = time.perf_counter()
         found = self.find(seq.block_hashes[len(hits):n_blocks])
         if not found:
             return 0
@@ -108,6 +112,8 @@ class CheckpointTier:
                 return 0
             for block_id, f in zip(table, found):
                 manager.register(block_id, f.block.block_hash, f.block.parent_hash, f.block.token_ids)
+            self.stats.restored_bytes += sum(len(f.value) for f in found)
+            self.stats.restore_seconds += time.perf_counter() - started
             return len(found)
         finally:
             manager.free(table)
@@ -274,7 +280,8 @@ def checkpoint_stats(engine) -> scheduler_pb2.PrefixCheckpointStats:
     tier = engine.checkpoints
     out = scheduler_pb2.PrefixCheckpointStats(
         restored_tokens=engine.restored_tokens, saved_blocks=tier.stats.saved_blocks,
-        saves_dropped=tier.stats.saves_dropped, rejected=dict(tier.checkpoints.rejected))
+        saves_dropped=tier.stats.saves_dropped, rejected=dict(tier.checkpoints.rejected),
+        restored_bytes=tier.stats.restored_bytes, restore_seconds=tier.stats.restore_seconds)
     for store in tier.checkpoints.stores:
         st = store.stats
         out.stores.add(name=store.name, hits=st.hits, misses=st.misses, puts=st.puts, put_failures=st.put_failures,

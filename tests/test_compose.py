@@ -317,6 +317,8 @@ class LocalStack:
         for key, value in environment(self.services[name]).items():
             if key == "TS_MODEL_CACHE":
                 value = str(self.model_cache)
+            elif key == "TS_CHECKPOINT_DIR":                  # the checkpoints volume
+                value = str(self.workdir / "checkpoints")
             elif key.endswith("_PORT") and (name, value) in self.ports:
                 value = self.ports[(name, value)]
             env[key] = self.text(value)

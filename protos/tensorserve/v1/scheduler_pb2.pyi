@@ -106,7 +106,7 @@ class StatsResponse(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., preempted: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_used_fraction: _Optional[float] = ..., tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.ServingStatus, str]] = ..., status_message: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentHealth, _Mapping]]] = ..., checkpoints: _Optional[_Union[PrefixCheckpointStats, _Mapping]] = ...) -> None: ...
 
 class PrefixCheckpointStats(_message.Message):
-    __slots__ = ("restored_tokens", "saved_blocks", "saves_dropped", "rejected", "stores")
+    __slots__ = ("restored_tokens", "saved_blocks", "saves_dropped", "rejected", "stores", "restored_bytes", "restore_seconds")
     class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,12 +119,16 @@ class PrefixCheckpointStats(_message.Message):
     SAVES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     STORES_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     restored_tokens: int
     saved_blocks: int
     saves_dropped: int
     rejected: _containers.ScalarMap[str, int]
     stores: _containers.RepeatedCompositeFieldContainer[BlockStoreStats]
-    def __init__(self, restored_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., saves_dropped: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., stores: _Optional[_Iterable[_Union[BlockStoreStats, _Mapping]]] = ...) -> None: ...
+    restored_bytes: int
+    restore_seconds: float
+    def __init__(self, restored_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., saves_dropped: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., stores: _Optional[_Iterable[_Union[BlockStoreStats, _Mapping]]] = ..., restored_bytes: _Optional[int] = ..., restore_seconds: _Optional[float] = ...) -> None: ...
 
 class BlockStoreStats(_message.Message):
     __slots__ = ("name", "hits", "misses", "puts", "put_failures", "errors", "evictions", "available")
