@@ -199,6 +199,9 @@ class SchedulerCore:
             s = scheduler_pb2.StatsResponse()
             s.CopyFrom(self._snapshot)
             s.tokens_computed, s.steps = self.tokens_computed, self.steps
+            engine = self.engine
+            if engine is not None and engine.checkpoints is not None:   # the writer goes on while the engine idles
+                s.checkpoints.CopyFrom(checkpoint_stats(engine))
             return s
 
     # ------------------------------------------------------------------ engine loop
