@@ -122,7 +122,9 @@ class Backend(Protocol):
     def rms_norm(self, x: Array, weight: Array, eps: float) -> Array: ...
     def rope(self, x: Array, positions: np.ndarray, base: float, n_dims: int, neox: bool) -> Array:
         """Rotate x [n, heads, head_dim] in place of the first n_dims dims, normal (adjacent pairs) or NeoX (halves)."""
-    def alloc_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> tuple[Array, Array]: ...
+    def alloc_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 codec: str = "f16") -> tuple[Array, Array]:
+        """K and V caches of one layer, holding values in `codec` (f16, q8_0 or q4_0)."""
     def store_kv(self, k_cache: Array, v_cache: Array, k: Array, v: Array, slot_mapping: np.ndarray) -> None: ...
     def copy_blocks(self, k_cache: Array, v_cache: Array, src: np.ndarray, dst: np.ndarray) -> None:
         """Blocks dst[i] of both caches take the contents of blocks src[i]."""

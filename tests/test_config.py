@@ -166,7 +166,7 @@ def test_precedence_flag_over_environment_over_file_over_default(tmp_path):
     (["--chat-template", "/no/such/file.jinja"], {}, "flag --chat-template: '/no/such/file.jinja' is not", "file"),
     (["--max-model-len", "100000"], {}, "--max-context 100000 (flag): exceeds the trained context", "8192"),
     (["--max-context", "8192", "--kv-memory", "16MiB"], {}, "--max-context 8192 (flag): --kv-memory 16MiB (flag) "
-     "holds 352 tokens", "raise --kv-memory"),
+     "holds 720 tokens", "raise --kv-memory"),
 ])
 def test_serve_refuses_bad_values_at_the_door(args, env, where, accepted):
     """Status 2 and one line naming the source, the value and what is accepted, before any child starts."""

@@ -177,7 +177,7 @@ def test_end_of_generation_ids_end_a_sequence(stack):
 
 @pytest.mark.parametrize("prompt,sampling,words", [
     ([], {}, ["empty"]),
-    ([5] * 2000, {}, ["2000", "context holds"]),
+    ([5] * 4000, {}, ["4000", "context holds"]),    # 64 MiB of f16 KV: 2912 tokens
     ([5, 60000], {}, ["60000", "vocabulary"]),
     ([5, 6], {"temperature": 3.0}, ["temperature"]),
 ])
@@ -330,9 +330,10 @@ def test_sixteen_concurrent_clients_get_their_solo_tokens(stack):
 
 
 def test_kv_exhaustion_preempts_and_output_is_unchanged(stack):
-    # 91 blocks of 16 tokens (64 MiB): three 470-token prompts growing by 30 tokens cannot all fit;
-    # they differ from their first token on, so the prefix cache cannot share any of their blocks
-    text = ((CASE["prompt_tokens"] + CASE["greedy_continuation"]) * 50)[:469]
+    # 182 blocks of 16 tokens (64 MiB of f16 K/V): three 940-token prompts growing by 30 tokens (61
+    # blocks each) cannot all fit; they differ from their first token on, so the prefix cache cannot
+    # share any of their blocks
+    text = ((CASE["prompt_tokens"] + CASE["greedy_continuation"]) * 50)[:939]
     prompts = [[100 + i] + text for i in range(3)]
     solos = [collect(stack, submit_request(p, 30, ignore_eos=True))[0] for p in prompts]
     results: dict[int, list[int]] = {}

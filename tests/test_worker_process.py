@@ -269,7 +269,7 @@ def test_exported_blocks_imported_elsewhere_continue_the_prompt_exactly(worker, 
     assert exported.layers and all(t.WhichOneof("storage") == kind for t in exported.layers)
     reader = TensorCodec("inline")
     layers = [reader.decode(t) for t in exported.layers]
-    assert layers[0].shape[:3] == (2, layers[0].shape[1], 2) and layers[0].dtype == np.float32
+    assert layers[0].shape[:3] == (2, layers[0].shape[1], 2) and layers[0].dtype == np.float16
     stub.ImportBlocks(worker_pb2.ImportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[30, 31]),
                                                      layers=[reader.encode(x) for x in layers]), timeout=30)
     b_chunk = chunk(122, prompt[32:], 32, [30, 31, 32], len(prompt))
@@ -314,7 +314,7 @@ def test_max_context_too_large_fails_at_start_with_numbers():
                           timeout=60)
     assert proc.returncode == 2
     assert "--max-context 4096 (flag)" in proc.stderr            # what was asked, and where
-    assert "--kv-memory 8MiB (flag) holds 176 tokens" in proc.stderr   # what the budget holds
+    assert "--kv-memory 8MiB (flag) holds 352 tokens" in proc.stderr   # what the budget holds
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 

@@ -18,7 +18,7 @@ from shared.model_config import ModelConfig
 from shared.sampling_params import SamplingParams
 from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 from worker.config import DEFAULT_KV_MEMORY
-from worker.kv_pool import KVPool, plan_capacity
+from worker.kv_pool import DEFAULT_CODEC, KVPool, plan_capacity
 from worker.models import ForwardInput, model_class
 from worker.sampling import Sampler, make_generator
 from worker.weights import WeightLoader
@@ -40,7 +40,7 @@ class _SeqState:
 
 class ModelRunner:
     def __init__(self, model_path: str | Path, backend: str = "cpu", kv_memory: int = DEFAULT_KV_MEMORY,
-                 block_size: int = 16, max_context: int | None = None):
+                 block_size: int = 16, max_context: int | None = None, kv_cache_dtype: str = DEFAULT_CODEC):
         t0 = time.perf_counter()
         self.gguf = GGUFFile(model_path)
         # the architecture first: another architecture's file lacks the metadata keys a config reads
@@ -50,8 +50,8 @@ class ModelRunner:
         self.ops.plan_weights({t.ggml_type for t in self.gguf.tensors.values() if len(t.shape) == 2})
         self.ops.warm_up()
         self.model = cls(self.config, WeightLoader(self.gguf, self.ops), self.ops)
-        self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context)
-        self.kv = KVPool(self.config, self.capacity, self.ops)
+        self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context, kv_cache_dtype)
+        self.kv = KVPool(self.config, self.capacity, self.ops, kv_cache_dtype)
         self.model.bind_kv(self.kv.caches)
         self.sampler = Sampler()
         self._seqs: dict[int, _SeqState] = {}

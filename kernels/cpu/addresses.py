@@ -1,7 +1,7 @@
 """Arrays that compiled code reaches through their addresses instead of receiving them.
 
 A replayed decode pass (kernels/cpu/graph_replay.py) reads ~120 matrices, their
-norms and ~60 K/V caches. Passed as numba typed lists, each list cost ~4 us to
+norms and ~60 K/V caches (as their bytes, kernels/cpu/kv_codecs.py). Passed as numba typed lists, each list cost ~4 us to
 check and unbox at every call with the caches the step's weight streams left
 cold; a table of int64 addresses and extents is one array. The views made from it
 hold no reference: whoever builds the table keeps the arrays alive (the replay's
@@ -55,6 +55,6 @@ if njit is not None:
         return carray(_f32_at(table[row, 0]), (table[row, 1], table[row, 2]))
 
     @njit(inline="always")
-    def f32_4d(table, row):  # pragma: no cover - compiled
-        """float32 [table[row, 1:5]] at address table[row, 0]."""
-        return carray(_f32_at(table[row, 0]), (table[row, 1], table[row, 2], table[row, 3], table[row, 4]))
+    def u8_4d(table, row):  # pragma: no cover - compiled
+        """uint8 [table[row, 1:5]] at address table[row, 0]."""
+        return carray(_u8_at(table[row, 0]), (table[row, 1], table[row, 2], table[row, 3], table[row, 4]))

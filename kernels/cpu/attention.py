@@ -7,9 +7,9 @@ threads in passes whose products run there too, on the calling thread alone in
 passes whose products use OpenBLAS's threads (the two pools must not meet in a
 pass); without numba they are computed together over padded, gathered
 contexts in numpy. Multi-token rows (prefill chunks, diffusion canvases) go
-sequence by sequence through numpy/OpenBLAS, reading each run of consecutive
-block ids as a view of the cache (a prompt's blocks are mostly handed out in
-order) and gathering only fragmented tables; each query tile's masked softmax is
+sequence by sequence through numpy/OpenBLAS over their context decoded from the
+pool's codec (f16, q8_0, q4_0: kernels/cpu/kv_codecs.py) into float32 once per
+layer call, the only float copy of it; each query tile's masked softmax is
 one compiled call (elementwise.tile_softmax) between OpenBLAS's two products.
 Sliding window follows llama.cpp: a query at p sees keys k with p - window < k <= p.
 """
@@ -20,10 +20,9 @@ import functools
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import decode_attention, elementwise
+from kernels.cpu import decode_attention, elementwise, kv_codecs
 
 QUERY_TILE = 128
-MAX_KEY_RUNS = 4   # a block table in more runs of consecutive block ids than this is gathered into one copy
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata,
@@ -34,7 +33,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, met
     rows packed with it (the products' 8-bit coding of their input can turn a 1e-7 difference
     into another code);
     with the rounding of ggml's CPU backend and its f16 KV cache: queries and the softmax in
-    float16 (the backend stores K/V rounded to float16 in these passes)."""
+    float16."""
     if rowwise and meta.causal and decode_attention.available():
         tables, ctx = meta.row_tables
         return decode_attention.decode_attention(decode_attention.half_queries(q), k_cache, v_cache,
@@ -63,10 +62,11 @@ def _decode_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables
 
 
 def _gather(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """cache[:, blocks] -> [kv, *blocks.shape, block_size, d], indexing the first axis only (numpy's fast path)."""
+    """cache[:, blocks] as float32 [kv, *blocks.shape, block_size, d], indexing the first axis only
+    (numpy's fast path); for the f16 pool without numba."""
     n_kv, n_blocks = cache.shape[:2]
     index = blocks[None] + (np.arange(n_kv) * n_blocks).reshape((n_kv,) + (1,) * blocks.ndim)
-    return cache.reshape(n_kv * n_blocks, *cache.shape[2:])[index]
+    return cache.reshape(n_kv * n_blocks, *cache.shape[2:])[index].astype(np.float32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,23 +114,12 @@ def _decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.
     return np.matmul(scores, values).transpose(1, 0, 2, 3).reshape(n_seqs, n_heads, dim)
 
 
-def _key_segments(k_cache: np.ndarray, v_cache: np.ndarray, blocks: np.ndarray, n_keys: int
-                  ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """(offset, keys [kv, n, d], values [kv, n, d]) covering key positions 0..n_keys-1 of `blocks`:
-    views of the cache for each run of consecutive block ids (no copy), or one gathered copy when
-    the table is fragmented."""
-    n_kv, dim = k_cache.shape[0], k_cache.shape[3]
-    block_size = k_cache.shape[2]
-    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
-    if len(breaks) >= MAX_KEY_RUNS:
-        keys = _gather(k_cache, blocks).reshape(n_kv, -1, dim)[:, :n_keys]
-        return [(0, keys, _gather(v_cache, blocks).reshape(n_kv, -1, dim)[:, :n_keys])]
-    segments = []
-    for s, e in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(blocks)]))):
-        first, n = int(blocks[s]), min(int(e - s) * block_size, n_keys - int(s) * block_size)
-        keys = k_cache[:, first:first + int(e - s)].reshape(n_kv, -1, dim)[:, :n]
-        segments.append((int(s) * block_size, keys, v_cache[:, first:first + int(e - s)].reshape(n_kv, -1, dim)[:, :n]))
-    return segments
+def _context(cache: np.ndarray, blocks: np.ndarray, n_keys: int) -> np.ndarray:
+    """Key (or value) positions 0..n_keys-1 of `blocks` in float32, [kv, n_keys, d]: one copy, which
+    OpenBLAS reads (views of the pool served only while it held float32)."""
+    if kv_codecs.available():
+        return kv_codecs.gather(cache, blocks, n_keys)
+    return _gather(cache, blocks).reshape(cache.shape[0], -1, cache.shape[3])[:, :n_keys]
 
 
 def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table: np.ndarray,
@@ -145,7 +134,8 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
     hi = -(-ctx // block_size)
     base = lo * block_size                     # position of key 0
     n_keys = ctx - base
-    segments = _key_segments(k_cache, v_cache, np.asarray(table[lo:hi]), n_keys)
+    blocks = np.asarray(table[lo:hi])
+    keys, values = _context(k_cache, blocks, n_keys), _context(v_cache, blocks, n_keys)
     # heads of a KV group share one matmul: rows are (group member, query)
     qg = (q * np.float32(scale)).reshape(n_q, n_kv, group, dim).transpose(1, 2, 0, 3)  # [kv, g, n_q, d]
     out = np.empty((n_kv, group, n_q, dim), np.float32)
@@ -162,12 +152,7 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
                 k_lo = max(0, first_pos + a - window + 1 - base)
         qt = qg[:, :, a:b].reshape(n_kv, group * t, dim)
         scores = np.empty((n_kv, group * t, k_hi - k_lo), np.float32)
-        parts = []
-        for offset, keys, values in segments:
-            s0, s1 = max(offset, k_lo), min(offset + keys.shape[1], k_hi)
-            if s0 < s1:
-                np.matmul(qt, keys[:, s0 - offset:s1 - offset].transpose(0, 2, 1), out=scores[:, :, s0 - k_lo:s1 - k_lo])
-                parts.append((s0 - k_lo, s1 - k_lo, values[:, s0 - offset:s1 - offset]))
+        np.matmul(qt, keys[:, k_lo:k_hi].transpose(0, 2, 1), out=scores)
         if elementwise.available():
             total = np.empty((n_kv, group * t, 1), np.float32)
             elementwise.tile_softmax(scores.reshape(n_kv * group, t, -1), k_hi - k_lo if causal else -1,
@@ -182,10 +167,7 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
             scores -= scores.max(axis=-1, keepdims=True)
             np.exp(scores, out=scores)
             total = scores.sum(axis=-1, keepdims=True)
-        acc = None
-        for c0, c1, values in parts:
-            part = np.matmul(scores[:, :, c0:c1], values)
-            acc = part if acc is None else np.add(acc, part, out=acc)
+        acc = np.matmul(scores, values[:, k_lo:k_hi])
         acc /= total
         out[:, :, a:b] = acc.reshape(n_kv, group, t, dim)
     return out.transpose(2, 0, 1, 3).reshape(n_q, n_heads, dim)

@@ -12,7 +12,7 @@ import numpy as np
 
 from kernels import AttentionMetadata, switches
 from kernels.cpu import (attention, decode_attention, elementwise, get_rows, graph_capture, graph_replay, int8_matmul,
-                         quantized)
+                         kv_codecs, quantized)
 from kernels.cpu.arena import HugePageArena, resident_zeros
 from kernels.cpu.int8_matmul import Int8Matrix
 from kernels.cpu.quantized import QuantizedMatrix
@@ -78,6 +78,7 @@ class CPUBackend:
         """Compile the numba kernels now (a few seconds the first time, then from numba's cache)."""
         elementwise.warm_up()           # RMSNorm and SwiGLU are compiled wherever numba is
         get_rows.warm_up()
+        kv_codecs.warm_up()             # every pass stores and prompt chunks may gather through it
         if self.quantized_matmul:
             quantized.warm_up()
             decode_attention.warm_up()
@@ -341,20 +342,23 @@ class CPUBackend:
         return np.take_along_axis(idx, order, axis=-1), np.take_along_axis(vals, order, axis=-1)
 
     # --- KV cache and attention ------------------------------------------------
-    def alloc_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-        # [kv_heads, blocks, block_size, head_dim]: gathering a block table yields each KV head's
-        # keys as one contiguous [tokens, head_dim] matrix, ready for matmul without a transpose copy
-        shape = (n_kv_heads, num_blocks, block_size, head_dim)
-        return resident_zeros(shape), resident_zeros(shape)
+    def alloc_kv(self, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 codec: str = "f16") -> tuple[np.ndarray, np.ndarray]:
+        # [kv_heads, blocks, block_size, units] of the codec's values or ggml blocks (kv_codecs):
+        # a block table's run of consecutive ids is one contiguous stretch of each KV head's rows
+        if codec != "f16" and not kv_codecs.available():
+            raise ValueError(f"--kv-cache-dtype {codec} needs numba's compiled kernels; use f16")
+        shape = kv_codecs.pool_shape(codec, num_blocks, block_size, n_kv_heads, head_dim)
+        dtype = kv_codecs.DTYPES[kv_codecs.number(codec)]
+        return resident_zeros(shape, dtype), resident_zeros(shape, dtype)
 
     def store_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
                  slot_mapping: np.ndarray) -> None:
+        # every pass stores what the pool's codec holds (llama.cpp's f16 cache by default)
+        if kv_codecs.available():
+            kv_codecs.store(k_cache, v_cache, k, v, slot_mapping)
+            return
         n_kv, n_blocks, block_size, dim = k_cache.shape
-        if self._rowwise(k.shape[0]):   # llama.cpp's f16 KV cache: the values it holds, kept as float32
-            if decode_attention.available():
-                decode_attention.store_half(k_cache, v_cache, k, v, slot_mapping)
-                return
-            k, v = k.astype(np.float16), v.astype(np.float16)
         k_cache.reshape(n_kv, n_blocks * block_size, dim)[:, slot_mapping] = k.transpose(1, 0, 2)
         v_cache.reshape(n_kv, n_blocks * block_size, dim)[:, slot_mapping] = v.transpose(1, 0, 2)
 
@@ -368,8 +372,8 @@ class CPUBackend:
                                          compiled=self._compiled(q.shape[0]), rowwise=self._rowwise(q.shape[0]))
 
     def _rowwise(self, rows: int) -> bool:
-        """Passes whose products code each row in 8 bits alone: their K/V are stored as llama.cpp's f16
-        cache holds them and each row attends alone, so a row's result does not depend on the rows
-        packed with it. With AVX2 a prompt's rows go through sgemm (whose rows can move by an ulp
+        """Passes whose products code each row in 8 bits alone: each row attends alone, with
+        llama.cpp's rounding (queries and softmax in float16), so a row's result does not depend on
+        the rows packed with it. With AVX2 a prompt's rows go through sgemm (whose rows can move by an ulp
         with the batch: f16 rounding would make that 1e-3) and the batched attention."""
         return self.int8_matmul and (self._int8_everywhere or self._compiled(rows))

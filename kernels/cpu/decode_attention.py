@@ -19,6 +19,10 @@ row's result depends on its batch; the softmax is then rounded to float16 as
 llama.cpp's f16 V product rounds it, and tasks take rows from both ends in turn,
 since a chunk's later rows see more keys (Gemma 3's 512-token prefill attention:
 244 -> 164 ms).
+
+The pool holds K/V in its codec (kernels/cpu/kv_codecs.py: f16, q8_0 or q4_0); a task decodes
+the keys (then the values) of one block at a time into a float32 block of its own, in L1, and
+the sums run over those: quantized blocks are read directly, never copied whole.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import types
 
 import numpy as np
 
+from kernels.cpu import kv_codecs
 from kernels.cpu.elementwise import round_to_half, softmax_numerators
 
 try:
@@ -46,7 +51,8 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, ta
     `half_probabilities`: the normalised softmax is rounded to float16 before it weights the values,
     as ggml's CPU backend converts it for the product with an f16 V cache."""
     out = np.empty(q.shape, np.float32)
-    (_kernel if parallel else _serial_kernel)(np.ascontiguousarray(q, dtype=np.float32), k_cache, v_cache,
+    (_kernel if parallel else _serial_kernel)(np.ascontiguousarray(q, dtype=np.float32), kv_codecs.raw(k_cache),
+            kv_codecs.raw(v_cache), kv_codecs.codec_of(k_cache),
             np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(ctx, dtype=np.int64),
             np.float32(scale), int(window), bool(half_probabilities), out)
     return out
@@ -61,10 +67,10 @@ def half_queries(q: np.ndarray) -> np.ndarray:
     return out
 
 
-def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g1, by_four):  # pragma: no cover
+def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv, g0, g1, by_four):  # pragma: no cover
     """out[b, h] for the query heads h = kv * (heads per KV head) + g, g0 <= g < g1, the query q[b]
     at position n - 1, reading its keys and values through the block table `table` (int64
-    [max_blocks]). Each head is computed alone: which heads share a call does not change it.
+    [max_blocks]) from the caches' bytes (kv_codecs.raw, coded by `codec`). Each head is computed alone: which heads share a call does not change it.
     `by_four`: the keys and values taken four at a time (four terms a pass: not the same float
     sums as single keys, so every caller whose results must agree passes the same value; the
     replay takes True too). On the Zen 5 EPYC of docs/BENCHMARKS.md, 512-token prefills were 6-17 %
@@ -82,14 +88,15 @@ def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g
     span = n - lo
     scores = np.empty((group, span), np.float32)
     qs = np.empty((group, dim), np.float32)
+    keys = np.empty((block_size, dim), np.float32)       # one block's keys (then values), decoded
     for g in range(group):
         for d in range(dim):
             qs[g, d] = q[b, first_head + g, d] * scale
     first_block, end_block = lo // block_size, (n + block_size - 1) // block_size
-    for blk in range(first_block, end_block):     # one block's keys at a time: a [block_size, d] view
-        keys = k_cache[kv, table[blk]]
+    for blk in range(first_block, end_block):     # one block's keys at a time
         base = blk * block_size
         j, stop = max(lo, base) - base, min(n, base + block_size) - base
+        _decode_rows(k_cache, kv, table[blk], j, stop, codec, keys)
         while by_four and j + 4 <= stop:          # four keys a pass over the query: four sums in flight
             at = base + j - lo
             for g in range(group):
@@ -119,10 +126,11 @@ def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g
             round_to_half(scores[g])
             totals[g] = np.float32(1.0)
     acc_out = np.zeros((group, dim), np.float32)
+    values = keys
     for blk in range(first_block, end_block):
-        values = v_cache[kv, table[blk]]
         base = blk * block_size
         j0, stop = max(lo, base) - base, min(n, base + block_size) - base
+        _decode_rows(v_cache, kv, table[blk], j0, stop, codec, values)
         for g in range(group):
             j = j0
             while by_four and j + 4 <= stop:      # four values a pass over the accumulator
@@ -143,31 +151,7 @@ def attend(q, k_cache, v_cache, table, n, scale, window, half, out, b, kv, g0, g
 
 
 
-def store_half(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots: np.ndarray) -> None:
-    """k, v [tokens, kv heads, d] into the caches' slots, rounded to float16 (round_to_half) as
-    llama.cpp's f16 cache holds them: 0.17 ms a 512-token SmolLM2 layer, where numpy's
-    astype(float16) and fancy-indexed copy of the transposed rows took 1.05 ms."""
-    slots = np.ascontiguousarray(slots, dtype=np.int64)
-    _store_rows(k_cache, k, slots, np.empty(k_cache.shape[3], np.float32))
-    _store_rows(v_cache, v, slots, np.empty(v_cache.shape[3], np.float32))
-
-
-def store_half_row(src, dst, scratch):  # pragma: no cover - numba
-    """dst[:] = src rounded to float16, written once with its final values (a replay's threads may
-    store the same row together)."""
-    scratch[:] = src
-    round_to_half(scratch)
-    dst[:] = scratch
-
-
-def _store_rows(cache, rows, slots, scratch):  # pragma: no cover - numba
-    block_size = cache.shape[2]
-    for t in range(rows.shape[0]):
-        block, offset = slots[t] // block_size, slots[t] % block_size
-        for h in range(cache.shape[0]):
-            store_half_row(rows[t, h], cache[h, block, offset], scratch)
-
-def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
+def _decode_attention(q, k_cache, v_cache, codec, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
     n_seqs = q.shape[0]
     n_kv = k_cache.shape[0]
     for task in prange(n_seqs * n_kv):
@@ -175,13 +159,12 @@ def _decode_attention(q, k_cache, v_cache, tables, ctx, scale, window, half, out
         # ranges of tasks, and a prompt chunk's rows grow in context from first to last
         i = task // n_kv
         b = i // 2 if i % 2 == 0 else n_seqs - 1 - i // 2
-        attend(q, k_cache, v_cache, tables[b], ctx[b], scale, window, half, out, b, task % n_kv, 0,
+        attend(q, k_cache, v_cache, codec, tables[b], ctx[b], scale, window, half, out, b, task % n_kv, 0,
                q.shape[1] // n_kv, True)
 
 
 if available():
-    store_half_row = njit(inline="always")(store_half_row)
-    _store_rows = njit(cache=True, nogil=True)(_store_rows)
+    _decode_rows = kv_codecs.decode_rows
     attend = njit(fastmath=True, cache=True, nogil=True)(attend)
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None
 # the same code under another name: numba's on-disk cache is keyed by the function's qualified
@@ -193,14 +176,11 @@ _serial_kernel = njit(fastmath=True, cache=True, nogil=True)(_serial_source) if 
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel, so no request waits for it."""
+    """Compile (or load from numba's cache) the kernel, so no request waits for it (one signature
+    for every codec: the caches travel as their bytes)."""
     if available():
-        cache = np.zeros((1, 1, 16, 8), np.float32)
-        half_queries(np.ones((1, 2, 8), np.float32))
-        for rows in (1, 2):     # K and V as models pass them: views of a fused projection ('C' for one row)
-            fused = np.zeros((rows, 24), np.float32)
-            store_half(cache, cache, fused[:, 8:16].reshape(rows, 1, 8), fused[:, 16:].reshape(rows, 1, 8),
-                       np.zeros(rows, np.int64))
+        cache = np.zeros(kv_codecs.pool_shape("f16", 1, 16, 1, 32), np.float16)
+        half_queries(np.ones((1, 2, 32), np.float32))
         for parallel in (True, False):
-            decode_attention(np.ones((1, 2, 8), np.float32), cache, cache, np.zeros((1, 1), np.int64),
+            decode_attention(np.ones((1, 2, 32), np.float32), cache, cache, np.zeros((1, 1), np.int64),
                              np.ones(1, np.int64), 1.0, 0, parallel, True)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import addresses, elementwise, get_rows, int8_matmul, spin_barrier
+from kernels.cpu import addresses, elementwise, get_rows, int8_matmul, kv_codecs, spin_barrier
 from kernels.cpu.graph_capture import (ADD, ATTENTION, GELU_TANH_GATE, MATMUL, RMS_NORM, ROPE, SCALE, SHARED,
                                        SWIGLU, Program, Unsupported)
 # the tile claims' counters follow the barrier's words in a replay's sync array
@@ -80,7 +80,7 @@ if available():
     _meet, _cycles, _embedding_row = spin_barrier.meet, spin_barrier.cycle_counter, get_rows.q8_0_row
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
     _gelu_row = elementwise.gelu_tanh_gate_row
-    _f32_2d, _f32_4d = addresses.f32_2d, addresses.f32_4d
+    _f32_2d = addresses.f32_2d
     from kernels.cpu.replay_ops import (_attention, _matmul, _meet_ahead, _output, _prefetch_start, _rope,
                                         _row)
 
@@ -95,13 +95,12 @@ if available():
         (its K/V slot from the block tables); a NaN or infinite logit (-1) ends the passes there."""
         timed = stamps.shape[0] > 0     # stamps[th, 1 + i]: (op i starts, its meeting starts); see Replay.cycle_log
         n_steps = max(1, steps.shape[0])
-        block_size = _f32_4d(caches, 0).shape[2] if caches.shape[0] > 0 and n_steps > 1 else 1
+        block_size = caches[0, 3] if caches.shape[0] > 0 and n_steps > 1 else 1
         for th in prange(n_threads):
             if timed:
                 stamps[th, 0, 0] = _cycles()
             own = private[th]
             bits = bits_s[th]
-            scratch = x_s[th]
             met = 0
             for s in range(n_steps):
                 # the input rows from the Q8_0 table, decoded by every thread (the same values); an id
@@ -133,7 +132,7 @@ if available():
                             break
                     elif code == ATTENTION:
                         _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                                   slots, scratch)
+                                   slots)
                         met += 1
                         if timed:
                             stamps[th, i + 1, 1] = _cycles()
@@ -215,7 +214,8 @@ class Replay:
                         np.zeros((n, int(p.values[:, 4].max())), np.int32))
         self.mats = _matrix_table(p.matrices)
         self.norms = _table([(_address(w), *w.shape) for w in p.norms], 3)
-        self.caches = _table([(_address(c), *c.shape) for c in p.caches], 5)
+        self.caches = _table([(_address(kv_codecs.raw(c)), *kv_codecs.raw(c).shape, kv_codecs.codec_of(c))
+                              for c in p.caches], 6)
         # for each product, the matrix of the next one (-1: none)
         self.next_matrix = np.full(len(p.ops), -1, np.int64)
         upcoming = -1
@@ -336,7 +336,7 @@ def warm_up() -> None:
     ops = np.array([[SCALE, 1, 0, 0, 0, 0, 0, 0, 0]], np.int64)
     values = np.array([[SHARED, 0, 16, 0, 16], [PRIVATE, 0, 16, 0, 16]], np.int64)
     f32, i32 = np.zeros((n, 16), np.float32), np.zeros((n, 16), np.int32)
-    tables = (np.zeros((1, 10), np.int64), np.zeros((1, 3), np.int64), np.zeros((1, 5), np.int64))
+    tables = (np.zeros((1, 10), np.int64), np.zeros((1, 3), np.int64), np.zeros((1, 6), np.int64))
     rope = (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 8), np.float32))
     attention = (np.zeros((1, 1), np.int64), np.ones(1, np.int64), np.zeros(1, np.int64))
     scratch = (f32, np.zeros((n, 16), np.int8), f32, f32, i32, i32, i32)

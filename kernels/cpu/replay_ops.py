@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import addresses, decode_attention, elementwise, input_coding, int8_matmul, row_argmax, spin_barrier
+from kernels.cpu import (addresses, decode_attention, elementwise, input_coding, int8_matmul, kv_codecs, row_argmax,
+                         spin_barrier)
 from kernels.cpu.graph_capture import SHARED
 
 try:
@@ -29,6 +30,9 @@ CLAIM = 4           # tiles a thread takes at a time: 72-256 KiB of codes (twice
 
 # columns of a replay's matrix table: each matrix's codes, scales and offsets (address, length) and layout
 CODES, SCALE_AT, OFFSET_AT, BIAS, GROUP, N_TILES, IN_FEATURES, RUN = 0, 2, 4, 6, 7, 8, 9, 10
+# columns of its cache table: each cache's bytes (address, then kv_heads, blocks, block_size, row bytes)
+# and its codec (kv_codecs' number)
+CACHE_CODEC = 5
 
 
 if njit is not None and int8_matmul.available():
@@ -40,9 +44,9 @@ if njit is not None and int8_matmul.available():
     _PAIR_TILES = int8_matmul.VNNI
     _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
-    _store_half = decode_attention.store_half_row
+    _encode_row, _values_in = kv_codecs.encode_row, kv_codecs.values_in
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
-    _u8, _f32, _f32_4d = addresses.u8, addresses.f32, addresses.f32_4d
+    _u8, _f32, _u8_4d = addresses.u8, addresses.f32, addresses.u8_4d
     _copy_with_argmax = row_argmax.copy_with_argmax
 
     @njit(inline="always")
@@ -115,15 +119,16 @@ if njit is not None and int8_matmul.available():
 
     @njit(inline="always")
     def _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                   slots, scratch):  # pragma: no cover - compiled
+                   slots):  # pragma: no cover - compiled
         """Each thread takes a contiguous share of the (row, query head) pairs (split by KV heads,
-        one thread did all of Gemma 3's attention: it has one) and stores the K/V its heads need,
-        rounded to float16 as the backend's f16 cache holds them (a KV head split between the
+        one thread did all of Gemma 3's attention: it has one) and stores the K/V its heads need
+        in the pool's codec as the backend's stores code them (a KV head split between the
         threads is stored by both, each writing only the final values); the queries are rounded
         to float16 too, as the rowwise kernels do."""
         dst, q_v, k_v, v_v = ops[i, 1], ops[i, 2], ops[i, 3], ops[i, 4]
-        k_cache, v_cache = _f32_4d(caches, 2 * ops[i, 5]), _f32_4d(caches, 2 * ops[i, 5] + 1)
-        n_kv, block_size, dim = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
+        k_cache, v_cache = _u8_4d(caches, 2 * ops[i, 5]), _u8_4d(caches, 2 * ops[i, 5] + 1)
+        codec = caches[2 * ops[i, 5], CACHE_CODEC]
+        n_kv, block_size, dim = k_cache.shape[0], k_cache.shape[2], _values_in(codec, k_cache.shape[3])
         q = _whole(values, q_v, rows, shared, own).reshape((rows, values[q_v, 2] // dim, dim))
         out = _whole(values, dst, rows, shared, own).reshape((rows, values[dst, 2] // dim, dim))
         n_heads = out.shape[1]
@@ -134,18 +139,18 @@ if njit is not None and int8_matmul.available():
             kv = h // group
             run_end = min(end, b * n_heads + (kv + 1) * group)      # this KV head's heads in row b
             block, offset = slots[b] // block_size, slots[b] % block_size
-            _store_half(_row(values, k_v, b, shared, own)[kv * dim:(kv + 1) * dim], k_cache[kv, block, offset],
-                        scratch[:dim])
-            _store_half(_row(values, v_v, b, shared, own)[kv * dim:(kv + 1) * dim], v_cache[kv, block, offset],
-                        scratch[:dim])
+            _encode_row(_row(values, k_v, b, shared, own)[kv * dim:(kv + 1) * dim], k_cache[kv, block, offset],
+                        codec)
+            _encode_row(_row(values, v_v, b, shared, own)[kv * dim:(kv + 1) * dim], v_cache[kv, block, offset],
+                        codec)
             g0 = h - kv * group
             g1 = g0 + run_end - task
             for g in range(g0, g1):
                 _round_to_half(q[b, kv * group + g])
             # by_four as the kernels take it: under fastmath the vectorizer sums a four-key pass in
             # another order than single keys on AVX2 (bit-identical on AVX-512 only by its widths)
-            _attend(q, k_cache, v_cache, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out, b,
-                    kv, g0, g1, True)
+            _attend(q, k_cache, v_cache, codec, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out,
+                    b, kv, g0, g1, True)
             task = run_end
 
     @njit(inline="always")
