@@ -198,7 +198,7 @@ class CheckpointTier:
     def _write_loop(self) -> None:
         while not self._closed:
             job = self._jobs.get()
-            if job is None:
+            if job is None or self._closed:   # a closed tier's engine is gone: its block ids mean nothing now
                 break
             try:
                 if isinstance(job, _Save):
@@ -227,7 +227,7 @@ class CheckpointTier:
                 self.stats.exported_blocks += len(wanted)
         finally:
             self._release(job.held)
-        if layers is None:
+        if layers is None or self._closed:
             return
         values = self.checkpoints.encode(layers, [job.hashes[i] for i in wanted], [job.parents[i] for i in wanted],
                                          [job.token_ids[i] for i in wanted])
