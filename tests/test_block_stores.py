@@ -106,3 +106,39 @@ def test_redis_absent_killed_and_back_never_raises_and_resumes(tmp_path):
     finally:
         if server.proc.poll() is None:
             server.kill()
+
+
+# ----------------------------------------------------------------------------- both
+@pytest.fixture(params=["directory", "redis"])
+def store(request, tmp_path):
+    if request.param == "directory":
+        yield DirectoryStore(NS, tmp_path, max_bytes=10**7)
+    else:
+        yield RedisStore(NS, request.getfixturevalue("redis_server").url, ttl_s=600, max_bytes=10**7)
+
+
+def test_a_prefix_is_read_up_to_its_first_missing_block_and_a_discarded_value_is_gone(store):
+    b = blocks(40)                                   # past the Redis store's read batch of 16
+    values = [encode(x) for x in b]
+    for x, value in zip(b[:35], values):
+        assert store.put(x.block_hash, value)
+    store.discard(b[30].block_hash)                  # a value that did not check out
+    assert not store.contains(b[30].block_hash)
+    got = store.get_prefix([x.block_hash for x in b])
+    assert got == values[:30]
+    assert store.stats.hits >= 30 and store.stats.misses >= 1
+    assert store.get_prefix([b[36].block_hash, b[0].block_hash]) == []    # the first one is missing: nothing
+
+
+def test_the_redis_byte_count_follows_puts_discards_and_evictions(redis_server):
+    b = blocks(5)
+    values = [encode(x) for x in b]
+    store = RedisStore(NS, redis_server.url, ttl_s=600, max_bytes=3 * max(map(len, values)))
+    for x, value in zip(b, values):
+        store.put(x.block_hash, value)
+        time.sleep(0.002)                            # distinct last-use times
+    assert store.stats.evictions == 2
+    assert int(store.client.get(store._total)) == sum(map(len, values[2:]))
+    store.discard(b[3].block_hash)
+    assert int(store.client.get(store._total)) == len(values[2]) + len(values[4])
+    assert store.get_prefix([b[2].block_hash]) == [values[2]]
