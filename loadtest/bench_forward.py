@@ -119,11 +119,12 @@ def weight_bytes_per_token(model) -> tuple[int, int]:
     return read, dense
 
 
-def bench_model(name: str, decode_steps: int = 1) -> dict:
+def bench_model(name: str, decode_steps: int = 1, kv_cache_dtype: str = "f16") -> dict:
     from shared.sampling_params import SamplingParams
     from tensorserve.local import LocalEngine
 
-    engine = LocalEngine(name, load_tokenizer=False, max_num_batched_tokens=PROMPT_TOKENS, max_num_seqs=BATCH)
+    engine = LocalEngine(name, load_tokenizer=False, max_num_batched_tokens=PROMPT_TOKENS, max_num_seqs=BATCH,
+                         kv_cache_dtype=kv_cache_dtype)
     vocab = engine.config.vocab_size
     rng = np.random.default_rng(0)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
@@ -246,6 +247,13 @@ def run_peer(peer_python: str, name: str) -> dict | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _kv_cache_dtypes() -> tuple[str, ...]:
+    """The values of the worker's --kv-cache-dtype (worker/config.py)."""
+    from shared.options import options_of
+    from worker.config import WorkerConfig
+    return tuple(options_of(WorkerConfig, only=("kv_cache_dtype",))[0].kind.values)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
@@ -256,6 +264,8 @@ def main() -> int:
                     help="single-sequence decode is measured one step a worker call and, alternated with it, "
                          "this many (the engine's num_decode_steps, multi-step scheduling; 1: only one; "
                          "must divide 16) [default 8]")
+    ap.add_argument("--kv-cache-dtype", default="f16", choices=_kv_cache_dtypes(),
+                    help="the KV pool's codec, the worker's --kv-cache-dtype [default f16]")
     ap.add_argument("--one", help=argparse.SUPPRESS)   # internal: bench one model in this process
     ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth-probe", action="store_true", help=argparse.SUPPRESS)
@@ -268,7 +278,7 @@ def main() -> int:
         return 0
 
     if args.one:
-        print(json.dumps(bench_model(args.one, args.decode_steps)))
+        print(json.dumps(bench_model(args.one, args.decode_steps, args.kv_cache_dtype)))
         return 0
     if args.bandwidth:
         print(json.dumps(measure_bandwidth_gbs()))
@@ -277,12 +287,13 @@ def main() -> int:
     # every measurement runs in a child of this small process, so no child inherits a large parent's RSS
     bandwidth = json.loads(subprocess.run([sys.executable, __file__, "--bandwidth"], capture_output=True,
                                           text=True, check=True).stdout)
-    results: dict[str, object] = {"memory_bandwidth_gbs": bandwidth, "decode_steps": args.decode_steps}
+    results: dict[str, object] = {"memory_bandwidth_gbs": bandwidth, "decode_steps": args.decode_steps,
+                                  "kv_cache_dtype": args.kv_cache_dtype}
     rows = []
     for name in args.models:
         # the child's stderr passes through: a warning (a replay that fell back, say) shows in the run
-        proc = subprocess.run([sys.executable, __file__, "--one", name, "--decode-steps", str(args.decode_steps)],
-                              stdout=subprocess.PIPE, text=True)
+        proc = subprocess.run([sys.executable, __file__, "--one", name, "--decode-steps", str(args.decode_steps),
+                               "--kv-cache-dtype", args.kv_cache_dtype], stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             return 1
         r = json.loads(proc.stdout.strip().splitlines()[-1])

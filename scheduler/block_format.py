@@ -4,8 +4,10 @@
 
 The header names everything the payload depends on: the model fingerprint, the KV codec, the
 block size, the layer count and K/V geometry, the block's hash and its parent's, and its token
-ids. The payload is each layer's [2 (K, V), kv_heads, block_size, head_dim] array in the codec's
-dtype, layer after layer. The checksum covers everything before it, so one value is written
+ids. The payload is each layer's [2 (K, V), kv_heads, block_size, width] array in the codec's
+layout, layer after layer: float values (width head_dim) for f32 and f16, the bytes of ggml's
+blocks of 32 values (width = a row's bytes: 34 per block for q8_0, 18 for q4_0) for the
+quantized codecs. The checksum covers everything before it, so one value is written
 whole or read as a miss: a block is never two keys that could disagree. It is xxh3-128, not a
 cryptographic hash: it guards against truncation and bit rot at memory speed (a restore checks
 tens of megabytes on the request's critical path); the stores are the operator's, not a client's.
@@ -30,7 +32,9 @@ MAGIC = b"TSKV"
 VERSION = 2                                 # 2: xxh3-128 checksum (1: sha256)
 _PREFIX = struct.Struct("<4sHI")            # magic, version, header length
 _CHECKSUM_BYTES = 16                        # xxh3-128
-CODEC_DTYPES = {"f32": "<f4", "f16": "<f2"}
+CODEC_DTYPES = {"f32": "<f4", "f16": "<f2", "q8_0": "u1", "q4_0": "u1"}
+# the quantized codecs: bytes of one block of 32 values (a float16 scale and the codes)
+QUANTIZED_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 
 
 class BlockRejected(ValueError):
@@ -54,8 +58,15 @@ class Geometry:
         return f"{self.fingerprint}-{self.codec}-b{self.block_size}-v{VERSION}"
 
     @property
+    def width(self) -> int:
+        """Elements of one token's K (or V) row of one KV head in the payload."""
+        if self.codec in QUANTIZED_BLOCK_BYTES:
+            return self.head_dim // 32 * QUANTIZED_BLOCK_BYTES[self.codec]
+        return self.head_dim
+
+    @property
     def layer_shape(self) -> tuple[int, int, int, int]:
-        return 2, self.kv_heads, self.block_size, self.head_dim
+        return 2, self.kv_heads, self.block_size, self.width
 
     @property
     def dtype(self) -> np.dtype:
@@ -125,6 +136,15 @@ def decode(value: bytes, expect: Geometry) -> KVBlock:
     if len(payload) != expect.payload_bytes:
         raise BlockRejected(f"payload of {len(payload)} bytes, the geometry needs {expect.payload_bytes}")
     flat = np.frombuffer(payload, dtype=expect.dtype).reshape(expect.n_layers, *expect.layer_shape)
-    if not np.isfinite(flat).all():
+    if not np.isfinite(_float_values(flat, expect.codec)).all():
         raise BlockRejected("its K/V hold NaN or infinity")
     return KVBlock(expect, digest, parent, token_ids, tuple(flat))
+
+
+def _float_values(flat: np.ndarray, codec: str) -> np.ndarray:
+    """The payload's floats: every value, or each quantized block's float16 scale (its codes are
+    integers)."""
+    if codec not in QUANTIZED_BLOCK_BYTES:
+        return flat
+    blocks = flat.reshape(-1, QUANTIZED_BLOCK_BYTES[codec])
+    return np.ascontiguousarray(blocks[:, :2]).view("<f2")

@@ -16,7 +16,8 @@ from worker.config import WorkerConfig
 
 # the in-process commands take the worker's and router's options they need, defined there
 MODEL_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level"))
-ENGINE_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level", "kv_memory", "threads"))
+ENGINE_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level", "kv_memory", "kv_cache_dtype",
+                                                "threads"))
 GENERATE_OPTIONS = ENGINE_OPTIONS + options_of(RouterConfig, only=("chat_template",))
 
 
@@ -61,7 +62,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     tokens = json.loads(Path(args.tokens_json).read_text())
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise SystemExit(f"{args.tokens_json}: expected a JSON list of token ids")
-    engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"], load_tokenizer=False)
+    engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"], kv_cache_dtype=opts["kv_cache_dtype"],
+                         load_tokenizer=False)
     vocab = engine.config.vocab_size
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:
@@ -80,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shared.sampling_params import SamplingParams
     from tensorserve.local import LocalEngine
 
-    engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"])
+    engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"], kv_cache_dtype=opts["kv_cache_dtype"])
     tokenizer = engine.tokenizer
     if args.chat:
         template = (ChatTemplate.from_file(opts["chat_template"], tokenizer) if opts["chat_template"]

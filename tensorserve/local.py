@@ -27,9 +27,10 @@ class Completion:
 class LocalEngine:
     def __init__(self, model: str | Path, kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = 16,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, load_tokenizer: bool = True,
-                 enable_prefix_caching: bool = True, num_decode_steps: int = 1):
+                 enable_prefix_caching: bool = True, num_decode_steps: int = 1, kv_cache_dtype: str = "f16"):
         self.path = resolve_model(str(model))
-        self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size)
+        self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size,
+                                  kv_cache_dtype=kv_cache_dtype)
         cap = self.runner.capacity
         self.engine = Engine(self.runner.execute, cap.num_blocks, cap.block_size, cap.max_context,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

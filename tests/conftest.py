@@ -25,13 +25,15 @@ def load_fixture(model: str) -> dict:
 def engines():
     """One in-process engine per bundled model, loaded on first use and shared by the session."""
     from tensorserve.local import LocalEngine
-    cache: dict[str, LocalEngine] = {}
+    cache: dict[tuple[str, str], LocalEngine] = {}
 
-    def get(model: str) -> "LocalEngine":
-        if model not in cache:
-            cache[model] = LocalEngine(model, load_tokenizer=False)
+    def get(model: str, kv_cache_dtype: str = "f16") -> "LocalEngine":
+        key = (model, kv_cache_dtype)
+        if key not in cache:    # another codec's pool: a smaller one (the default engine's is 512 MiB)
+            cache[key] = LocalEngine(model, load_tokenizer=False, kv_cache_dtype=kv_cache_dtype,
+                                     **({} if kv_cache_dtype == "f16" else {"kv_memory": 64 * 2**20}))
         # tests also drive the shared runner directly (forward_logits, engines of their own), which
         # overwrites KV blocks this engine's prefix cache may still list: forget them
-        cache[model].engine.blocks.reset_prefix_cache()
-        return cache[model]
+        cache[key].engine.blocks.reset_prefix_cache()
+        return cache[key]
     return get

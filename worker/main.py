@@ -88,7 +88,8 @@ def run(flags: argparse.Namespace) -> int:
         log.info("loading model %s from %s", args.model, path)
         t0 = time.perf_counter()
         runner = model_thread.submit(ModelRunner, path, backend=args.backend, kv_memory=args.kv_memory,
-                                     block_size=args.block_size, max_context=args.max_context).result()
+                                     block_size=args.block_size, max_context=args.max_context,
+                                     kv_cache_dtype=args.kv_cache_dtype).result()
     except (TensorServeError, ValueError, OSError) as exc:
         model_thread.shutdown(wait=False)
         print(f"error: {exc}", file=sys.stderr)
@@ -97,8 +98,8 @@ def run(flags: argparse.Namespace) -> int:
     backend = _backend_name(runner.ops)
     log.info("model %s ready in %.1fs: %s, %d layers, vocab %d, backend %s", args.model,
              time.perf_counter() - t0, cfg.architecture, cfg.n_layers, cfg.vocab_size, backend)
-    log.info("KV capacity: %d blocks x %d tokens = %d tokens, max context %d (--kv-memory %d bytes)",
-             cap.num_blocks, cap.block_size, cap.num_tokens, cap.max_context, args.kv_memory)
+    log.info("KV capacity: %d blocks x %d tokens = %d tokens, max context %d (--kv-memory %d bytes, %s)",
+             cap.num_blocks, cap.block_size, cap.num_tokens, cap.max_context, args.kv_memory, args.kv_cache_dtype)
     if stop.is_set():
         return 0
 
