@@ -13,12 +13,11 @@ Each restored row also reports cached_tokens, the restore time the scheduler mea
 checking and importing; tensorserve_prefix_checkpoint_restore_seconds) and restore GB/s over the
 stored bytes, and the stored bytes per token. Target (issue #28): restored TTFT <= 0.1x cold.
 
-    python loadtest/bench_checkpoints.py [--models smollm2-135m,gemma3-270m] [--codecs default]
+    python loadtest/bench_checkpoints.py [--models smollm2-135m,gemma3-270m] [--codecs f16,q8_0,q4_0]
         [--prefix-words 1950] [--json] [--out r.json]
 
 Redis: a private `redis-server` on a free port (the binary must be on PATH), or --redis-url.
---codecs takes worker --kv-cache-dtype values where the worker has that option ("default": none
-passed).
+--codecs takes worker --kv-cache-dtype values ("default": none passed).
 """
 from __future__ import annotations
 
@@ -167,7 +166,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="smollm2-135m,gemma3-270m", help="comma-separated models to serve")
-    p.add_argument("--codecs", default="default", help="comma-separated worker --kv-cache-dtype values")
+    p.add_argument("--codecs", default="f16,q8_0,q4_0",
+                   help="comma-separated worker --kv-cache-dtype values (\"default\": pass none)")
     p.add_argument("--prefix-words", type=int, default=1950, help="words in the system prompt (~1 token each)")
     p.add_argument("--redis-url", help="a Redis to use instead of a private redis-server")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `tensorserve serve` argument")
