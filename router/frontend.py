@@ -246,6 +246,8 @@ class Frontend:
         sampling_params_to_proto(p.params, req.sampling)
         if p.prompt_logprobs is not None:
             req.prompt_logprobs = p.prompt_logprobs
+        if p.speculative is not None:
+            req.speculative = p.speculative
         metrics = self.metrics
         t0 = time.perf_counter()
         t_last: float | None = None

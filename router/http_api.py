@@ -115,7 +115,8 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
                                       **oa.common_sampling(body))
         await frontend.check_prompt_length(ids, None if score_only else params.max_tokens)
         p = Prepared(frontend.new_request_id("cmpl"), ids, text, params, oa.get_stop(body), echo=echo,
-                     prompt_logprobs=logprobs if echo else None, endpoint="completions")
+                     prompt_logprobs=logprobs if echo else None, endpoint="completions",
+                     speculative=oa.speculative(body))
         p.score_only = score_only  # type: ignore[attr-defined]
         return p, stream, include_usage
 
@@ -245,7 +246,8 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
                                       **oa.common_sampling(body))
         if asked:
             await frontend.check_prompt_length(ids, params.max_tokens)
-        p = Prepared(frontend.new_request_id("chatcmpl"), ids, text, params, oa.get_stop(body), endpoint="chat")
+        p = Prepared(frontend.new_request_id("chatcmpl"), ids, text, params, oa.get_stop(body), endpoint="chat",
+                     speculative=oa.speculative(body))
         return p, stream, include_usage
 
     @app.post("/v1/chat/completions", openapi_extra=schemas.body(schemas.CHAT_COMPLETION_REQUEST))

@@ -112,6 +112,18 @@ class RouterMetrics:
                                                 ("evictions", "KV blocks removed to keep the store under its cap"))}
         self.store_available = Gauge("tensorserve_checkpoint_store_available",
                                      "1 while the checkpoint store works, 0 while it fails", ["store"], registry=r)
+        # speculative decoding (vLLM's spec_decode names), present while the scheduler speculates
+        self.spec_totals = {
+            "drafts": Counter("tensorserve_spec_decode_num_drafts", "Sequence-steps that carried drafted tokens "
+                              "to verify", registry=r),
+            "draft_tokens": Counter("tensorserve_spec_decode_num_draft_tokens", "Drafted tokens verified by the "
+                                    "model", registry=r),
+            "accepted_tokens": Counter("tensorserve_spec_decode_num_accepted_tokens", "Drafted tokens the model "
+                                       "accepted", registry=r),
+        }
+        self.spec_mean_length = Gauge("tensorserve_spec_decode_mean_acceptance_length", "Tokens emitted per "
+                                      "verification since the scheduler started (accepted drafts + the model's "
+                                      "own), 0 before the first", registry=r)
         self.scheduler_up = Gauge("tensorserve_scheduler_up", "1 when the last Stats call to the scheduler succeeded",
                                   registry=r)
 
@@ -142,6 +154,11 @@ class RouterMetrics:
                 for name, counter in self.store_totals.items():
                     self._advance((store.name, name), counter.labels(store=store.name), getattr(store, name))
                 self.store_available.labels(store=store.name).set(1 if store.available else 0)
+        if stats.HasField("speculative"):
+            sp = stats.speculative
+            for name, counter in self.spec_totals.items():
+                self._advance(("speculative", name), counter, getattr(sp, name))
+            self.spec_mean_length.set(1 + sp.accepted_tokens / sp.drafts if sp.drafts else 0.0)
 
     def _advance(self, key, counter, total) -> None:
         """Move a counter to a polled total (a total that went down started again from zero)."""

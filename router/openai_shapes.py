@@ -88,6 +88,14 @@ def common_sampling(body: dict) -> dict:
     return out
 
 
+def speculative(body: dict) -> bool | None:
+    """The extension field `speculative`: false turns speculative decoding off for the request."""
+    v = body.get("speculative")
+    if v is not None and not isinstance(v, bool):
+        raise bad("speculative must be a boolean", "speculative")
+    return v
+
+
 def usage(f: FinishEvent) -> dict:
     u = {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
          "total_tokens": f.prompt_tokens + f.completion_tokens,

@@ -21,6 +21,7 @@ _SAMPLING = {
                        {"type": "null"}]},
     "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
     "ignore_eos": {"type": ["boolean", "null"]},
+    "speculative": {"type": ["boolean", "null"]},
     "stream": {"type": ["boolean", "null"]},
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
     "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},

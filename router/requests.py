@@ -109,6 +109,7 @@ class Prepared:
     echo: bool = False
     prompt_logprobs: int | None = None       # top-k at prompt positions (echo with logprobs)
     endpoint: str = "generate"
+    speculative: bool | None = None          # False: no speculative decoding for this request
 
 
 # ----------------------------------------------------------------------------- stop strings

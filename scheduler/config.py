@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 from shared.common_config import (DEFAULT_MODEL_CACHE, DrainOptions, InternalOptions, LoggingOptions,
                                    TransportOptions, check_exposure)
-from shared.option_kinds import Address, Flag, Integer, Number, Port, Size, Text
-from shared.options import Resolved, option
+from shared.option_kinds import Address, Choice, Flag, Integer, Number, Port, Size, Text
+from shared.options import ConfigError, Resolved, option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +28,17 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
     num_decode_steps: int = option(1, "tokens a step that only decodes computes in one worker call (multi-step "
                                    "scheduling): the host's work per step is paid once for all of them, and "
                                    "tokens reach clients that many at a time", Integer(1, 64))
+    speculative: str = option("off", "speculative decoding: drafted tokens verified by the model in one pass "
+                              "(greedy output unchanged, sampling keeps its distribution); ngram = prompt "
+                              "lookup over the prompt and the text so far; draft = a draft model (not built "
+                              "yet); a request's \"speculative\": false turns it off for that request",
+                              Choice("off", "ngram", "draft"))
+    num_speculative_tokens: int = option(3, "tokens drafted per sequence and step at most, with --speculative",
+                                         Integer(1, 16), aliases=("--num-spec-tokens",))
+    prompt_lookup_min: int = option(1, "shortest n-gram the ngram proposer looks up (vLLM's prompt_lookup_min)",
+                                    Integer(1, 64))
+    prompt_lookup_max: int = option(4, "longest n-gram the ngram proposer looks up, tried first (vLLM's "
+                                    "prompt_lookup_max)", Integer(1, 64))
     enable_prefix_caching: bool = option(True, "reuse the KV of blocks shared with earlier prompts", Flag())
     prefix_checkpoints: bool = option(True, "keep computed prompt blocks in the checkpoint stores (the "
                                       "--checkpoint-dir folder, and Redis with --redis-url) and restore them "
@@ -49,6 +60,21 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
                                        Number(0, exclusive=True), env="TS_WORKER_PROBE_AFTER_S")
 
 
+SPECULATIVE_OPTIONS = ("speculative", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def check_speculative(resolved: Resolved) -> None:
+    """What --speculative cannot do yet, and n-gram bounds that contradict each other, refused at
+    the door (scheduler, serve and generate)."""
+    values = resolved.values
+    if values["speculative"] == "draft":
+        raise ConfigError(f"{resolved.where('speculative')}: the draft-model proposer is not built yet "
+                          "(issue #29); use --speculative ngram or off")
+    if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
+        raise ConfigError(f"{resolved.where('prompt_lookup_min')} is above {resolved.where('prompt_lookup_max')}")
+
+
 def check_process(resolved: Resolved) -> None:
     """`tensorserve scheduler`: no listening beyond loopback without the internal token."""
     check_exposure(resolved, "scheduler")
+    check_speculative(resolved)

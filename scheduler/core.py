@@ -38,6 +38,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.events import final_event, progress_event
 from scheduler.sequence import Sequence
+from scheduler.speculative import SpeculativeController, SpeculativeStats, make_controller
 from scheduler.worker_client import WorkerClient, WorkerFailure
 from shared.step import StepRequest, StepResult
 
@@ -100,6 +101,7 @@ class SchedulerCore:
         self.tokens_computed = 0
         self.steps = 0
         self._snapshot = scheduler_pb2.StatsResponse()
+        self._speculative_stats = SpeculativeStats()    # since start, across engines (worker restarts)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -311,7 +313,17 @@ class SchedulerCore:
                       max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                       fingerprint=d.fingerprint, enable_prefix_caching=self.enable_prefix_caching,
                       submit=self._submit, max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-                      num_decode_steps=self.num_decode_steps, checkpoints=tier)
+                      num_decode_steps=self.num_decode_steps, checkpoints=tier,
+                      speculative=self._speculative())
+
+    def _speculative(self) -> SpeculativeController | None:
+        """A new engine's controller; its counters go on from the last engine's (they are since start)."""
+        c = self.config
+        controller = make_controller(c.speculative, c.num_speculative_tokens, c.prompt_lookup_min,
+                                     c.prompt_lookup_max)
+        if controller is not None:
+            controller.stats = self._speculative_stats
+        return controller
 
     def _on_worker_failure(self, exc: WorkerFailure) -> None:
         message = str(exc)
@@ -398,6 +410,11 @@ class SchedulerCore:
             s.block_size, s.max_context = e.blocks.block_size, e.max_context
             if e.checkpoints is not None:
                 s.checkpoints.CopyFrom(checkpoint_stats(e))
+            if e.speculative is not None:
+                st = e.speculative.stats
+                s.speculative.CopyFrom(scheduler_pb2.SpeculativeStats(
+                    method=e.speculative.method, drafts=st.drafts, draft_tokens=st.draft_tokens,
+                    accepted_tokens=st.accepted_tokens))
         self._snapshot = s
 
     # ------------------------------------------------------------------ events

@@ -24,6 +24,7 @@ import numpy as np
 from scheduler.block_manager import BlockManager
 from scheduler.checkpoint_tier import CheckpointTier
 from scheduler.sequence import Sequence, Status
+from scheduler.speculative.controller import SpeculativeController
 from shared.step import SeqChunk, StepRequest, StepResult
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class Engine:
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  fingerprint: str = "", enable_prefix_caching: bool = True, submit: Submit | None = None,
                  max_prefill_tokens_while_decoding: int | None = None, num_decode_steps: int = 1,
-                 checkpoints: CheckpointTier | None = None):
+                 checkpoints: CheckpointTier | None = None, speculative: SpeculativeController | None = None):
         self.executor = executor
         self.submit = submit
         self._in_flight: _Launched | None = None
@@ -71,6 +72,7 @@ class Engine:
         self.num_preemptions = 0                       # since start: sequences sent back to recompute
         self.checkpoints = checkpoints if enable_prefix_caching else None
         self.restored_tokens = 0                       # since start: prompt tokens restored from the stores
+        self.speculative = speculative                 # drafts for decodes (scheduler/speculative/)
 
     def add(self, seq: Sequence) -> None:
         limit = self.max_context
@@ -121,6 +123,8 @@ class Engine:
                 planned.add(seq.seq_id)
                 free -= k
                 budget -= 1
+        if plan and self.speculative is not None:       # drafted tokens ride with the decodes
+            budget, free = self.speculative.draft(plan, budget, free, self.blocks, self.max_context)
         if plan:
             budget = min(budget, self.max_prefill_tokens_while_decoding)
         for seq in list(self.running):                 # then unfinished prefills, in chunks
@@ -207,6 +211,8 @@ class Engine:
         """Release a running sequence's blocks and queue it for recompute; returns the blocks freed."""
         freed = self.blocks.free(seq.block_table)
         self.running.remove(seq)
+        if self.speculative is not None:
+            self.speculative.forget(seq)
         seq.num_computed = seq.num_committed_blocks = 0
         seq.stores_checked = False
         seq.prompt_scores.clear()                      # recomputed with the prompt
@@ -282,6 +288,8 @@ class Engine:
         stops on a token it samples there costs a wasted row."""
         if self.waiting or self.preempted or current.steps > 1:
             return None
+        if self.speculative is not None and self.speculative.holds_pipelining(self.running):
+            return None                                # the next step may draft: it needs this one's token
         if not all(n == 1 and c.sample and not c.score_top_k for (_, n), c in zip(current.plan, current.chunks)):
             return None
         seqs = [seq for seq, _ in current.plan if seq.status is Status.RUNNING]
@@ -309,28 +317,37 @@ class Engine:
                 seq.prompt_scores.extend(zip(r.score_ids, r.score_logprobs, targets))
                 if seq.num_computed == seq.num_tokens and not seq.generate_after_score:
                     seq.finish_reason = "scored"
-            if chunk.sample:
+            computed = chunk.start_pos + n + launched.steps - 1
+            if chunk.num_draft:                        # accepted drafts, then the target's own token
+                computed = self.speculative.settle(seq, chunk, r)
+                for token, logprob in zip([*r.accepted_ids, r.token_id], [*r.accepted_logprobs, r.logprob]):
+                    if seq.finish_reason is None:      # a stop among the accepted ends it there
+                        self._append(seq, token, logprob, None, None)
+            elif chunk.sample:
                 for by_id in by_step:                  # a multi-step call's tokens up to the sequence's stop
-                    if seq.finish_reason is not None:
-                        break
-                    r = by_id[seq.seq_id]
-                    seq.append(r.token_id)
-                    seq.logprobs.append(r.logprob)
-                    seq.top_logprobs.append((r.top_ids, r.top_logprobs))
-                    if seq.finish_reason is None and seq.num_tokens >= self.max_context:
-                        seq.finish_reason = "length"
+                    if seq.finish_reason is None:
+                        r = by_id[seq.seq_id]
+                        self._append(seq, r.token_id, r.logprob, r.top_ids, r.top_logprobs)
             # the K/V written for positions whose input token the sequence kept
-            self._commit_full_blocks(seq, min(chunk.start_pos + n + launched.steps - 1, seq.num_tokens))
+            self._commit_full_blocks(seq, min(computed, seq.num_tokens))
             if chunk.sample or seq.finish_reason:
                 progressed.append(seq)
             if seq.finish_reason:
                 self._finish(seq)
         return progressed
 
+    def _append(self, seq: Sequence, token: int, logprob: float, top_ids, top_logprobs) -> None:
+        seq.append(token)
+        seq.logprobs.append(logprob)
+        seq.top_logprobs.append((top_ids, top_logprobs))
+        if seq.finish_reason is None and seq.num_tokens >= self.max_context:
+            seq.finish_reason = "length"
+
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         start = seq.num_computed
         done_prompt = start + n >= len(seq.prompt)
-        ids = seq.token_slice(start, start + n)
+        drafts = seq.draft_tokens
+        ids = seq.token_slice(start, start + n - len(drafts)) + drafts
         chunk = SeqChunk(
             seq_id=seq.seq_id,
             token_ids=np.asarray(ids + [PLACEHOLDER] * (n - len(ids)), np.int64),   # ahead: being sampled
@@ -342,6 +359,7 @@ class Engine:
             params=seq.params,
             score_top_k=seq.score_top_k if start < len(seq.prompt) else 0,
             prefix_ids=np.asarray(seq.token_slice(0, start), np.int64) if seq.send_prefix else None,
+            num_draft=len(drafts),
         )
         if chunk.score_top_k:                          # each position's next token, for its own logprob
             nxt = seq.token_slice(start + 1, start + n + 1)
@@ -369,6 +387,8 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
         self.blocks.free(seq.block_table)
+        if self.speculative is not None:
+            self.speculative.forget(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.preempted:

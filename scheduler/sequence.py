@@ -44,6 +44,8 @@ class Sequence:
     status: Status = Status.WAITING
     num_preemptions: int = 0                   # times its KV was dropped to be recomputed
     finish_reason: str | None = None
+    speculative: bool = True                   # False: the request asked for no speculative decoding
+    draft_tokens: list[int] = field(default_factory=list)   # drafted for the step in flight, to verify
 
     @property
     def tokens(self) -> list[int]:

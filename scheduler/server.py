@@ -76,6 +76,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                 f"prompt has {len(prompt)} tokens but the context holds {limit}"
                                 + ("" if score_only else " (and at least one must be generated)"))
         seq = Sequence(prompt, params, seq_id=next(_seq_ids), eos_ids=eos_ids)
+        if request.HasField("speculative"):
+            seq.speculative = request.speculative
         if request.HasField("prompt_logprobs"):
             k = max(int(request.prompt_logprobs), 1)     # each prompt token's own logprob comes besides
             seq.score_top_k = min(k, vocab) if vocab else k

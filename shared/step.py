@@ -28,6 +28,10 @@ class SeqChunk:
     # with score_top_k: per position, the token whose own logprob is wanted too (the next token of the
     # sequence, which need not be among the top k); -1 where there is none
     score_targets: np.ndarray | None = None
+    # > 0: the last num_draft of token_ids are drafted (speculative decoding): the worker verifies
+    # them against its own next-token choices at each of the last num_draft + 1 positions and
+    # answers with the accepted ones (SeqResult.accepted_ids) and one token of its own after them
+    num_draft: int = 0
 
 
 @dataclass
@@ -53,6 +57,10 @@ class SeqResult:
     score_ids: np.ndarray | None = None        # [len(chunk), k] when score_top_k > 0
     score_logprobs: np.ndarray | None = None
     score_target_logprobs: np.ndarray | None = None   # [len(chunk)], NaN where the target was -1
+    # a chunk with drafts: the drafted tokens accepted, in order, before token_id (the correction
+    # of the first rejected one, or the bonus token after all of them)
+    accepted_ids: list[int] = field(default_factory=list)
+    accepted_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass

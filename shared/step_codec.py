@@ -79,6 +79,7 @@ def step_request_to_proto(request: StepRequest, codec: TensorCodec | None = None
             codec.encode_into(np.asarray(c.prefix_ids, np.int64), m.prefix_ids)
         if c.score_targets is not None:
             codec.encode_into(np.asarray(c.score_targets, np.int64), m.score_targets)
+        m.num_draft = int(c.num_draft)
     msg.finished[:] = [int(s) for s in request.finished]
     for src, dst in request.copy_blocks:
         msg.copy_blocks.add(src=int(src), dst=int(dst))
@@ -99,6 +100,7 @@ def step_request_from_proto(msg: worker_pb2.StepRequest, codec: TensorCodec | No
             score_top_k=m.score_top_k,
             prefix_ids=codec.decode(m.prefix_ids) if m.HasField("prefix_ids") else None,
             score_targets=codec.decode(m.score_targets) if m.HasField("score_targets") else None,
+            num_draft=m.num_draft,
         )
         for m in msg.chunks
     ]
@@ -127,6 +129,9 @@ def _results_to_proto(results: list[SeqResult], out, codec: TensorCodec) -> None
         m.seq_id = int(r.seq_id)
         m.token_id = int(r.token_id)
         m.logprob = float(r.logprob)
+        if r.accepted_ids:
+            m.accepted_ids[:] = [int(t) for t in r.accepted_ids]
+            m.accepted_logprobs[:] = [float(x) for x in r.accepted_logprobs]
         for name in _RESULT_ARRAYS:
             value = getattr(r, name)
             if value is not None:
@@ -137,7 +142,9 @@ def _results_from_proto(messages, codec: TensorCodec) -> list[SeqResult]:
     results = []
     for m in messages:
         arrays = {name: codec.decode(getattr(m, name)) if m.HasField(name) else None for name in _RESULT_ARRAYS}
-        results.append(SeqResult(seq_id=m.seq_id, token_id=m.token_id, logprob=m.logprob, **arrays))
+        results.append(SeqResult(seq_id=m.seq_id, token_id=m.token_id, logprob=m.logprob,
+                                 accepted_ids=list(m.accepted_ids), accepted_logprobs=list(m.accepted_logprobs),
+                                 **arrays))
     return results
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from router.config import RouterConfig
+from scheduler.config import SPECULATIVE_OPTIONS, SchedulerConfig, check_speculative
 from shared.common_config import check_model, configure
 from shared.options import ArgumentParser, add_flags, options_of
 from worker.config import WorkerConfig
@@ -18,12 +19,19 @@ from worker.config import WorkerConfig
 MODEL_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level"))
 ENGINE_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level", "kv_memory", "kv_cache_dtype",
                                                 "threads"))
-GENERATE_OPTIONS = ENGINE_OPTIONS + options_of(RouterConfig, only=("chat_template",))
+GENERATE_OPTIONS = ENGINE_OPTIONS + options_of(RouterConfig, only=("chat_template",)) \
+    + options_of(SchedulerConfig, only=SPECULATIVE_OPTIONS)
+
+
+def _check(resolved) -> None:
+    check_model(resolved)
+    if "speculative" in resolved.values:
+        check_speculative(resolved)
 
 
 def _configured(args: argparse.Namespace, options: list) -> Any:
     """The command's options (flag > TS_* variable > --config > default), or its exit status."""
-    configured = configure(args.command, None, args, check=check_model, options=options, announce=False)
+    configured = configure(args.command, None, args, check=_check, options=options, announce=False)
     return configured if isinstance(configured, int) else configured[1].values
 
 
@@ -82,7 +90,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shared.sampling_params import SamplingParams
     from tensorserve.local import LocalEngine
 
-    engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"], kv_cache_dtype=opts["kv_cache_dtype"])
+    engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"], kv_cache_dtype=opts["kv_cache_dtype"],
+                         **{name: opts[name] for name in SPECULATIVE_OPTIONS})
     tokenizer = engine.tokenizer
     if args.chat:
         template = (ChatTemplate.from_file(opts["chat_template"], tokenizer) if opts["chat_template"]

@@ -11,6 +11,7 @@ from typing import Iterator
 
 from scheduler.engine import Engine
 from scheduler.sequence import Sequence
+from scheduler.speculative import make_controller
 from shared.model_registry import resolve_model
 from shared.sampling_params import SamplingParams
 from worker.config import DEFAULT_KV_MEMORY
@@ -27,7 +28,9 @@ class Completion:
 class LocalEngine:
     def __init__(self, model: str | Path, kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = 16,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, load_tokenizer: bool = True,
-                 enable_prefix_caching: bool = True, num_decode_steps: int = 1, kv_cache_dtype: str = "f16"):
+                 enable_prefix_caching: bool = True, num_decode_steps: int = 1, kv_cache_dtype: str = "f16",
+                 speculative: str = "off", num_speculative_tokens: int = 3, prompt_lookup_min: int = 1,
+                 prompt_lookup_max: int = 4):
         self.path = resolve_model(str(model))
         self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size,
                                   kv_cache_dtype=kv_cache_dtype)
@@ -35,7 +38,9 @@ class LocalEngine:
         self.engine = Engine(self.runner.execute, cap.num_blocks, cap.block_size, cap.max_context,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              fingerprint=self.runner.config.fingerprint, enable_prefix_caching=enable_prefix_caching,
-                             num_decode_steps=num_decode_steps)
+                             num_decode_steps=num_decode_steps,
+                             speculative=make_controller(speculative, num_speculative_tokens, prompt_lookup_min,
+                                                         prompt_lookup_max))
         self.tokenizer = None
         if load_tokenizer:
             from router.tokenizer import Tokenizer

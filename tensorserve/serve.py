@@ -27,7 +27,7 @@ from typing import Any
 
 from router import config as router_config
 from router.config import RouterConfig
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, check_speculative
 from shared.common_config import LoggingOptions, configure
 from shared.option_kinds import Number, Text
 from shared.options import Resolved, add_flags, environment_without, option, options_of
@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check(resolved: Resolved) -> None:
     worker_config.check(resolved)
     router_config.check(resolved)
+    check_speculative(resolved)
 
 
 def run(flags: argparse.Namespace) -> int:

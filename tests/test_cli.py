@@ -84,3 +84,24 @@ def test_generate_rejects_bad_sampling_values():
 def test_unknown_model_names_the_choices():
     out = tensorserve("tokenize", "--model", "no-such-model", stdin="hi")
     assert out.returncode != 0 and "smollm2-135m" in out.stderr
+
+
+def test_generate_with_ngram_speculation_streams_the_same_greedy_text():
+    from router.tokenizer import Tokenizer
+    from shared.gguf_file import GGUFFile
+    from shared.model_registry import resolve_model
+    case = load_fixture("smollm2-135m")["generate"][0]
+    n = greedy_prefix_to_check(case)
+    out = tensorserve("generate", "--model", "smollm2-135m", "--prompt", case["prompt_text"],
+                      "--max-tokens", str(n), "--speculative", "ngram", "--num-speculative-tokens", "4")
+    assert out.returncode == 0, out.stderr
+    tokenizer = Tokenizer.from_metadata(GGUFFile(resolve_model("smollm2-135m")).metadata)
+    assert out.stdout.rstrip("\n") == tokenizer.decode(case["greedy_continuation"][:n])
+
+
+@pytest.mark.parametrize("flags,message", [(["--speculative", "draft"], "not built yet"),
+                                           (["--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
+                                            "--prompt-lookup-min 5 (flag) is above")])
+def test_generate_refuses_what_speculation_cannot_do_before_loading(flags, message):
+    out = tensorserve("generate", "--model", "smollm2-135m", "--prompt", "hi", *flags)
+    assert out.returncode == 2 and message in out.stderr, out.stderr

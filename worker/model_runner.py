@@ -21,6 +21,7 @@ from worker.config import DEFAULT_KV_MEMORY
 from worker.kv_pool import DEFAULT_CODEC, KVPool, plan_capacity
 from worker.models import ForwardInput, model_class
 from worker.sampling import Sampler, make_generator
+from worker.verification import verify_drafts
 from worker.weights import WeightLoader
 
 log = logging.getLogger(__name__)
@@ -83,32 +84,43 @@ class ModelRunner:
         inp, score_rows = self._pack(chunks)
         self.ops.begin_pass(len(inp.token_ids), inp.attention.decode_pass)
         results = [SeqResult(c.seq_id) for c in chunks]
-        if all(c.sample and not c.score_top_k for c in chunks):     # one output row a chunk, all sampled
+        if all(c.sample and not c.score_top_k and not c.num_draft for c in chunks):   # one sampled row a chunk
             logits, greedy = self.ops.run_logits(self.model, inp)
             self._sample(chunks, self.ops.to_numpy(logits), results, greedy)
             self.tokens_computed += len(inp.token_ids)
             return StepResult(results, len(inp.token_ids))
         hidden = self.ops.run_forward(self.model, inp)
 
-        # rows of `hidden`: per chunk either its last token, or all of its tokens when scoring
+        # rows of `hidden`: per chunk its last token, all of its tokens when scoring, or its last
+        # num_draft + 1 when verifying drafts
         offset = 0
         sample_idx, sample_rows = [], []
+        plain_at: list[int] = []                       # each sample_idx chunk's row in the logits below
+        verify: list[tuple[int, int]] = []             # (chunk, its first row in the logits below)
         for i, c in enumerate(chunks):
-            n_rows = len(c.token_ids) if c.score_top_k else 1
+            n_rows = len(c.token_ids) if c.score_top_k else 1 + c.num_draft
             if c.score_top_k:
                 ids, lps, target_lps = self._score(hidden[offset:offset + n_rows], c.score_top_k, c.score_targets)
                 results[i].score_ids, results[i].score_logprobs = ids, lps
                 results[i].score_target_logprobs = target_lps
-            if c.sample:
+            if c.sample and c.num_draft:
+                verify.append((i, len(sample_rows)))
+                sample_rows.extend(range(offset, offset + n_rows))
+            elif c.sample:
                 sample_idx.append(i)
+                plain_at.append(len(sample_rows))
                 sample_rows.append(offset + n_rows - 1)
             offset += n_rows
-        if sample_idx:
+        if sample_rows:
             # the logits product goes where its own row count says: a prompt chunk's one sampled row
             # reads the output matrix's codes (a quarter of its float32 bytes), not OpenBLAS's gemv
             self.ops.begin_pass(len(sample_rows))
             logits = self.ops.to_numpy(self.model.logits(hidden[np.array(sample_rows)]))
-            self._sample([chunks[i] for i in sample_idx], logits, [results[i] for i in sample_idx])
+            if sample_idx:
+                self._sample([chunks[i] for i in sample_idx], logits[np.array(plain_at)] if verify else logits,
+                             [results[i] for i in sample_idx])
+            for i, first in verify:
+                self._verify(chunks[i], logits[first:first + chunks[i].num_draft + 1], results[i])
         self.tokens_computed += len(inp.token_ids)
         return StepResult(results, len(inp.token_ids))
 
@@ -179,7 +191,7 @@ class ModelRunner:
         slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         starts = np.cumsum(query_lens) - query_lens
         output_rows = np.concatenate([
-            np.arange(s, s + q) if c.score_top_k else np.array([s + q - 1])
+            np.arange(s, s + q) if c.score_top_k else np.arange(s + q - 1 - c.num_draft, s + q)
             for c, s, q in zip(chunks, starts, query_lens)])
         for c in chunks:
             self._remember(c)
@@ -248,6 +260,26 @@ class ModelRunner:
             r.token_id, r.logprob = token_ids[i], logprobs[i]
             states[i].last_sampled = r.token_id
             r.top_ids, r.top_logprobs = out.top_ids[i], out.top_logprobs[i]
+
+    def _verify(self, c: SeqChunk, logits: np.ndarray, result: SeqResult) -> None:
+        """Accept a prefix of the chunk's drafted tokens and choose the token after it
+        (worker/verification.py); the worker's history keeps only the inputs whose tokens stay."""
+        if c.score_top_k:
+            raise ValueError(f"sequence {c.seq_id}: a chunk with drafted tokens cannot also score its positions")
+        state = self._seqs[c.seq_id]
+        if state.params is None:
+            raise ValueError(f"sequence {c.seq_id} asks for a token but no sampling parameters were sent")
+        first_draft = c.start_pos + len(c.token_ids) - c.num_draft      # position of d1
+        p = state.params
+        accepted, token = verify_drafts(
+            logits, state.tokens[first_draft:first_draft + c.num_draft], p,
+            state.tokens[:state.prompt_len] if p.has_penalties else (),
+            state.tokens[state.prompt_len:first_draft] if p.has_penalties else (),
+            state.generator if state.generator is not None else self.sampler._fallback)
+        del state.tokens[first_draft + len(accepted):]    # rejected drafts were never the sequence's
+        state.last_sampled = token
+        result.token_id, result.logprob = token, float("nan")
+        result.accepted_ids, result.accepted_logprobs = accepted, [float("nan")] * len(accepted)
 
     def _score(self, hidden: np.ndarray, k: int,
                targets: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

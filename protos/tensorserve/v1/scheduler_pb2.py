@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.tensorserve.v1 import common_pb2 as tensorserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etensorserve/v1/scheduler.proto\x12\x0etensorserve.v1\x1a\x1btensorserve/v1/common.proto\"\xc7\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tensorserve.v1.SamplingParams\x12\x1c\n\x0fprompt_logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x42\x12\n\x10_prompt_logprobs\"V\n\nTokenEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xf5\x01\n\x0bSubmitEvent\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.tensorserve.v1.TokenEvent\x12\x33\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1a.tensorserve.v1.TokenEvent\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.tensorserve.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.tensorserve.v1.Usage\x12*\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1b.tensorserve.v1.ErrorDetail\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x8d\x04\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x11\n\tpreempted\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x18\n\x10kv_used_fraction\x18\x06 \x01(\x01\x12\x17\n\x0ftokens_computed\x18\x07 \x01(\x04\x12\r\n\x05steps\x18\x08 \x01(\x04\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x13\n\x0bmax_context\x18\n \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x0b \x01(\r\x12#\n\x1bprefix_cache_queried_tokens\x18\x0c \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12-\n\x06status\x18\x0f \x01(\x0e\x32\x1d.tensorserve.v1.ServingStatus\x12\x16\n\x0estatus_message\x18\x10 \x01(\t\x12\x33\n\ncomponents\x18\x11 \x03(\x0b\x32\x1f.tensorserve.v1.ComponentHealth\x12:\n\x0b\x63heckpoints\x18\x12 \x01(\x0b\x32%.tensorserve.v1.PrefixCheckpointStats\"\xb7\x02\n\x15PrefixCheckpointStats\x12\x17\n\x0frestored_tokens\x18\x01 \x01(\x04\x12\x14\n\x0csaved_blocks\x18\x02 \x01(\x04\x12\x15\n\rsaves_dropped\x18\x03 \x01(\x04\x12\x45\n\x08rejected\x18\x04 \x03(\x0b\x32\x33.tensorserve.v1.PrefixCheckpointStats.RejectedEntry\x12/\n\x06stores\x18\x05 \x03(\x0b\x32\x1f.tensorserve.v1.BlockStoreStats\x12\x16\n\x0erestored_bytes\x18\x06 \x01(\x04\x12\x17\n\x0frestore_seconds\x18\x07 \x01(\x01\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x97\x01\n\x0f\x42lockStoreStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x14\n\x0cput_failures\x18\x05 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x11\n\tavailable\x18\x08 \x01(\x08\"M\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\";\n\x16RegisterWorkerResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xc0\x02\n\tScheduler\x12\x46\n\x06Submit\x12\x1d.tensorserve.v1.SubmitRequest\x1a\x1b.tensorserve.v1.SubmitEvent0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.tensorserve.v1.AbortRequest\x1a\x1d.tensorserve.v1.AbortResponse\x12\x44\n\x05Stats\x12\x1c.tensorserve.v1.StatsRequest\x1a\x1d.tensorserve.v1.StatsResponse\x12_\n\x0eRegisterWorker\x12%.tensorserve.v1.RegisterWorkerRequest\x1a&.tensorserve.v1.RegisterWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etensorserve/v1/scheduler.proto\x12\x0etensorserve.v1\x1a\x1btensorserve/v1/common.proto\"\xf1\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tensorserve.v1.SamplingParams\x12\x1c\n\x0fprompt_logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x18\n\x0bspeculative\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\x12\n\x10_prompt_logprobsB\x0e\n\x0c_speculative\"V\n\nTokenEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xf5\x01\n\x0bSubmitEvent\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.tensorserve.v1.TokenEvent\x12\x33\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1a.tensorserve.v1.TokenEvent\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.tensorserve.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.tensorserve.v1.Usage\x12*\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1b.tensorserve.v1.ErrorDetail\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc4\x04\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x11\n\tpreempted\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x18\n\x10kv_used_fraction\x18\x06 \x01(\x01\x12\x17\n\x0ftokens_computed\x18\x07 \x01(\x04\x12\r\n\x05steps\x18\x08 \x01(\x04\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x13\n\x0bmax_context\x18\n \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x0b \x01(\r\x12#\n\x1bprefix_cache_queried_tokens\x18\x0c \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12-\n\x06status\x18\x0f \x01(\x0e\x32\x1d.tensorserve.v1.ServingStatus\x12\x16\n\x0estatus_message\x18\x10 \x01(\t\x12\x33\n\ncomponents\x18\x11 \x03(\x0b\x32\x1f.tensorserve.v1.ComponentHealth\x12:\n\x0b\x63heckpoints\x18\x12 \x01(\x0b\x32%.tensorserve.v1.PrefixCheckpointStats\x12\x35\n\x0bspeculative\x18\x13 \x01(\x0b\x32 .tensorserve.v1.SpeculativeStats\"a\n\x10SpeculativeStats\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x04\"\xb7\x02\n\x15PrefixCheckpointStats\x12\x17\n\x0frestored_tokens\x18\x01 \x01(\x04\x12\x14\n\x0csaved_blocks\x18\x02 \x01(\x04\x12\x15\n\rsaves_dropped\x18\x03 \x01(\x04\x12\x45\n\x08rejected\x18\x04 \x03(\x0b\x32\x33.tensorserve.v1.PrefixCheckpointStats.RejectedEntry\x12/\n\x06stores\x18\x05 \x03(\x0b\x32\x1f.tensorserve.v1.BlockStoreStats\x12\x16\n\x0erestored_bytes\x18\x06 \x01(\x04\x12\x17\n\x0frestore_seconds\x18\x07 \x01(\x01\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x97\x01\n\x0f\x42lockStoreStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x14\n\x0cput_failures\x18\x05 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x11\n\tavailable\x18\x08 \x01(\x08\"M\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\";\n\x16RegisterWorkerResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xc0\x02\n\tScheduler\x12\x46\n\x06Submit\x12\x1d.tensorserve.v1.SubmitRequest\x1a\x1b.tensorserve.v1.SubmitEvent0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.tensorserve.v1.AbortRequest\x1a\x1d.tensorserve.v1.AbortResponse\x12\x44\n\x05Stats\x12\x1c.tensorserve.v1.StatsRequest\x1a\x1d.tensorserve.v1.StatsResponse\x12_\n\x0eRegisterWorker\x12%.tensorserve.v1.RegisterWorkerRequest\x1a&.tensorserve.v1.RegisterWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._loaded_options = None
   _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._serialized_options = b'8\001'
   _globals['_SUBMITREQUEST']._serialized_start=80
-  _globals['_SUBMITREQUEST']._serialized_end=279
-  _globals['_TOKENEVENT']._serialized_start=281
-  _globals['_TOKENEVENT']._serialized_end=367
-  _globals['_SUBMITEVENT']._serialized_start=370
-  _globals['_SUBMITEVENT']._serialized_end=615
-  _globals['_ABORTREQUEST']._serialized_start=617
-  _globals['_ABORTREQUEST']._serialized_end=651
-  _globals['_ABORTRESPONSE']._serialized_start=653
-  _globals['_ABORTRESPONSE']._serialized_end=683
-  _globals['_STATSREQUEST']._serialized_start=685
-  _globals['_STATSREQUEST']._serialized_end=699
-  _globals['_STATSRESPONSE']._serialized_start=702
-  _globals['_STATSRESPONSE']._serialized_end=1227
-  _globals['_PREFIXCHECKPOINTSTATS']._serialized_start=1230
-  _globals['_PREFIXCHECKPOINTSTATS']._serialized_end=1541
-  _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._serialized_start=1494
-  _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._serialized_end=1541
-  _globals['_BLOCKSTORESTATS']._serialized_start=1544
-  _globals['_BLOCKSTORESTATS']._serialized_end=1695
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1697
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1774
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1776
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1835
-  _globals['_SCHEDULER']._serialized_start=1838
-  _globals['_SCHEDULER']._serialized_end=2158
+  _globals['_SUBMITREQUEST']._serialized_end=321
+  _globals['_TOKENEVENT']._serialized_start=323
+  _globals['_TOKENEVENT']._serialized_end=409
+  _globals['_SUBMITEVENT']._serialized_start=412
+  _globals['_SUBMITEVENT']._serialized_end=657
+  _globals['_ABORTREQUEST']._serialized_start=659
+  _globals['_ABORTREQUEST']._serialized_end=693
+  _globals['_ABORTRESPONSE']._serialized_start=695
+  _globals['_ABORTRESPONSE']._serialized_end=725
+  _globals['_STATSREQUEST']._serialized_start=727
+  _globals['_STATSREQUEST']._serialized_end=741
+  _globals['_STATSRESPONSE']._serialized_start=744
+  _globals['_STATSRESPONSE']._serialized_end=1324
+  _globals['_SPECULATIVESTATS']._serialized_start=1326
+  _globals['_SPECULATIVESTATS']._serialized_end=1423
+  _globals['_PREFIXCHECKPOINTSTATS']._serialized_start=1426
+  _globals['_PREFIXCHECKPOINTSTATS']._serialized_end=1737
+  _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._serialized_start=1690
+  _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._serialized_end=1737
+  _globals['_BLOCKSTORESTATS']._serialized_start=1740
+  _globals['_BLOCKSTORESTATS']._serialized_end=1891
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1893
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1970
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1972
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=2031
+  _globals['_SCHEDULER']._serialized_start=2034
+  _globals['_SCHEDULER']._serialized_end=2354
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prompt_logprobs", "model", "eos_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prompt_logprobs", "model", "eos_token_ids", "speculative")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prompt_logprobs: int
     model: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., model: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., model: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
@@ -66,7 +68,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("running", "waiting", "preempted", "kv_blocks_total", "kv_blocks_free", "kv_used_fraction", "tokens_computed", "steps", "block_size", "max_context", "kv_blocks_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "preemptions", "status", "status_message", "components", "checkpoints")
+    __slots__ = ("running", "waiting", "preempted", "kv_blocks_total", "kv_blocks_free", "kv_used_fraction", "tokens_computed", "steps", "block_size", "max_context", "kv_blocks_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "preemptions", "status", "status_message", "components", "checkpoints", "speculative")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,7 @@ class StatsResponse(_message.Message):
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     preempted: int
@@ -103,7 +106,20 @@ class StatsResponse(_message.Message):
     status_message: str
     components: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentHealth]
     checkpoints: PrefixCheckpointStats
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., preempted: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_used_fraction: _Optional[float] = ..., tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.ServingStatus, str]] = ..., status_message: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentHealth, _Mapping]]] = ..., checkpoints: _Optional[_Union[PrefixCheckpointStats, _Mapping]] = ...) -> None: ...
+    speculative: SpeculativeStats
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., preempted: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_used_fraction: _Optional[float] = ..., tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.ServingStatus, str]] = ..., status_message: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentHealth, _Mapping]]] = ..., checkpoints: _Optional[_Union[PrefixCheckpointStats, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ...) -> None: ...
+
+class SpeculativeStats(_message.Message):
+    __slots__ = ("method", "drafts", "draft_tokens", "accepted_tokens")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    def __init__(self, method: _Optional[str] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefixCheckpointStats(_message.Message):
     __slots__ = ("restored_tokens", "saved_blocks", "saves_dropped", "rejected", "stores", "restored_bytes", "restore_seconds")

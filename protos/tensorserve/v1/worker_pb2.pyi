@@ -42,7 +42,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids", "score_targets")
+    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids", "score_targets", "num_draft")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class SeqChunk(_message.Message):
     SCORE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORE_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _common_pb2.Tensor
     start_pos: int
@@ -63,7 +64,8 @@ class SeqChunk(_message.Message):
     score_top_k: int
     prefix_ids: _common_pb2.Tensor
     score_targets: _common_pb2.Tensor
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_targets: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    num_draft: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_targets: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("chunks", "finished", "step_id", "copy_blocks", "num_steps")
@@ -88,7 +90,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class SeqResult(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_ids", "top_logprobs", "score_ids", "score_logprobs", "score_target_logprobs")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_ids", "top_logprobs", "score_ids", "score_logprobs", "score_target_logprobs", "accepted_ids", "accepted_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,8 @@ class SeqResult(_message.Message):
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SCORE_TARGET_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
     logprob: float
@@ -105,7 +109,9 @@ class SeqResult(_message.Message):
     score_ids: _common_pb2.Tensor
     score_logprobs: _common_pb2.Tensor
     score_target_logprobs: _common_pb2.Tensor
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_target_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    accepted_ids: _containers.RepeatedScalarFieldContainer[int]
+    accepted_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_target_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "tokens_computed", "step_id", "later")

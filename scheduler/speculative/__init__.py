@@ -1,0 +1,30 @@
+"""Speculative decoding under the scheduler's control: proposers draft tokens (one interface,
+chosen by name in PROPOSERS), the worker verifies them in the step's one forward, and the
+controller (controller.py) decides who drafts how many and folds the verdicts back."""
+from __future__ import annotations
+
+from scheduler.speculative.base import DraftRequest, Proposer
+from scheduler.speculative.controller import SpeculativeController, SpeculativeStats
+from scheduler.speculative.ngram import NgramProposer
+
+# `--speculative NAME`; "draft" (a draft GGUF model run by the worker) is not built yet
+PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer}
+METHODS = ("off", "ngram", "draft")
+
+
+def make_controller(method: str, num_speculative_tokens: int = 3, prompt_lookup_min: int = 1,
+                    prompt_lookup_max: int = 4) -> SpeculativeController | None:
+    """The engine's controller for `--speculative METHOD`, or None for "off"."""
+    if method == "off":
+        return None
+    if method == "draft":
+        raise ValueError("--speculative draft (a draft GGUF model) is not built yet (issue #29): "
+                         "use --speculative ngram or off")
+    if method != "ngram":
+        raise ValueError(f"unknown speculative method {method!r}: one of {', '.join(METHODS)}")
+    proposer = NgramProposer(prompt_lookup_min, prompt_lookup_max)
+    return SpeculativeController(proposer, num_speculative_tokens)
+
+
+__all__ = ["DraftRequest", "Proposer", "NgramProposer", "PROPOSERS", "METHODS", "SpeculativeController",
+           "SpeculativeStats", "make_controller"]

@@ -1,0 +1,103 @@
+"""The engine's side of speculative decoding: who drafts how many tokens in a step, and what a
+verified chunk leaves of the sequence.
+
+Called from a few points of scheduler/engine.py: `draft` after the step's decodes are planned
+(before prompt chunks take the rest of the token budget), `settle` when a chunk with drafts
+comes back, `forget` when a sequence leaves, `holds_pipelining` before a step is launched ahead.
+The worker does the arithmetic (it owns sampling): the chunk [last, d1..dk] is verified in the
+step's one forward, and it answers with the accepted drafts and one token of its own after them.
+
+Only running decodes draft (not a sequence mid-prefill), never past max_tokens or the context,
+never with blocks another sequence would have to be preempted for, and not requests that asked
+for logprobs or prompt scores, or that said `speculative: false`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.block_manager import BlockManager
+from scheduler.sequence import Sequence
+from scheduler.speculative.base import DraftRequest, Proposer
+from shared.step import SeqChunk, SeqResult
+
+
+@dataclass
+class SpeculativeStats:
+    drafts: int = 0            # sequence-steps that carried drafted tokens
+    draft_tokens: int = 0      # tokens drafted and verified
+    accepted_tokens: int = 0   # of those, accepted by the target
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification (accepted drafts + the target's own), vLLM's measure."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+class SpeculativeController:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int):
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.stats = SpeculativeStats()
+
+    @property
+    def method(self) -> str:
+        return self.proposer.name
+
+    @staticmethod
+    def may_draft(seq: Sequence) -> bool:
+        """Whether the request lets this sequence draft at all (its state aside)."""
+        return seq.speculative and not seq.score_top_k and seq.params.logprobs is None
+
+    def holds_pipelining(self, seqs: list[Sequence]) -> bool:
+        """A step launched ahead carries no drafts (its input token is not known yet): while some
+        sequence could draft, steps are scheduled one at a time instead."""
+        return any(self.may_draft(s) and s.params.max_tokens - len(s.output) >= 3 for s in seqs)
+
+    def draft(self, plan: list[tuple[Sequence, int]], budget: int, free: int, blocks: BlockManager,
+              max_context: int) -> tuple[int, int]:
+        """Give the planned decodes of `plan` drafted tokens (their entries become (seq, 1 + k)),
+        within the step's token `budget` and the `free` blocks left after the plan; returns both
+        as left over. Blocks are not grown here: the engine grows every planned table after."""
+        candidates = []
+        for i, (seq, n) in enumerate(plan):
+            if n != 1 or seq.num_computed != seq.num_tokens - 1 or not self.may_draft(seq):
+                continue
+            # the target's own token always comes after the drafts: leave room for it
+            limit = min(self.k, seq.params.max_tokens - len(seq.output) - 1,
+                        max_context - seq.num_tokens - 1)
+            if limit > 0:
+                candidates.append((i, seq, limit))
+        if not candidates or budget <= 0:
+            return budget, free
+        proposals = self.proposer.propose([DraftRequest(s.seq_id, s.tokens, limit) for _, s, limit in candidates])
+        bs = blocks.block_size
+        for (i, seq, limit), drafts in zip(candidates, proposals):
+            held = max(len(seq.block_table), blocks.blocks_needed(seq.num_computed + 1))   # with the decode's
+            room = (held + free) * bs - (seq.num_computed + 1)
+            drafts = [int(t) for t in drafts[:max(0, min(limit, budget, room))]]
+            if not drafts:
+                continue
+            free -= max(0, blocks.blocks_needed(seq.num_computed + 1 + len(drafts)) - held)
+            budget -= len(drafts)
+            seq.draft_tokens = drafts
+            plan[i] = (seq, 1 + len(drafts))
+        return budget, free
+
+    def settle(self, seq: Sequence, chunk: SeqChunk, result: SeqResult) -> int:
+        """Count a verified chunk and roll the sequence back to the K/V its kept tokens wrote;
+        returns that length (positions [0, it) hold K/V of the sequence's own tokens). The K/V of
+        rejected drafts stays in its slots, to be overwritten by the next steps."""
+        accepted = len(result.accepted_ids)
+        self.stats.drafts += 1
+        self.stats.draft_tokens += chunk.num_draft
+        self.stats.accepted_tokens += accepted
+        seq.draft_tokens = []
+        kept = chunk.start_pos + len(chunk.token_ids) - chunk.num_draft + accepted
+        seq.num_computed = min(kept, seq.num_computed)
+        return kept
+
+    def forget(self, seq: Sequence) -> None:
+        seq.draft_tokens = []
+        self.proposer.forget(seq.seq_id)
