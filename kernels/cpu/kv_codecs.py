@@ -184,11 +184,14 @@ def decode_rows(cache, kv, block, j0, j1, codec, out):  # pragma: no cover - num
             at = blk * size
             d = half_to_float(np.uint16(cache[kv, block, j, at]) | (np.uint16(cache[kv, block, j, at + 1]) << 8))
             base = blk * QK
+            # a trip count LLVM does not know (always QK): a constant 32 is unrolled into scalar
+            # conversions, this one vectorized (q8_0 rows of 256 values decoded ~2x as fast)
+            n = min(QK, dim - base)
             if codec == Q8_0:
-                for i in range(QK):
+                for i in range(n):
                     out[j, base + i] = np.float32(np.int8(cache[kv, block, j, at + 2 + i])) * d
             else:
-                for i in range(QK // 2):
+                for i in range(n // 2):
                     q = cache[kv, block, j, at + 2 + i]
                     out[j, base + i] = np.float32(np.int32(q & 0xF) - 8) * d
                     out[j, base + i + QK // 2] = np.float32(np.int32(q >> 4) - 8) * d
