@@ -215,37 +215,57 @@ class CheckpointTier:
             job = self._jobs.get()
             if job is None or self._closed:   # a closed tier's engine is gone: its block ids mean nothing now
                 break
+            jobs, later = [job], []
+            while isinstance(job, _Save):     # the saves queued meanwhile go in the same export
+                try:
+                    more = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                (jobs if isinstance(more, _Save) else later).append(more)
             try:
                 if isinstance(job, _Save):
-                    self._save(job)
+                    self._save(jobs)
                 else:
                     self._promote(job)
+                for other in later:
+                    if other is None:
+                        self._closed = True
+                    else:
+                        self._promote(other)
             except Exception:                 # a bug here must not stop later saves
                 log.exception("writing prefix checkpoints failed")
 
-    def _save(self, job: _Save) -> None:
+    def _save(self, jobs: list[_Save]) -> None:
+        """One export for every queued save: a batch's sequences each hand over their prompt
+        blocks in the same step, and each export is a pause of the worker between steps."""
         stores = self.checkpoints.stores
+        blocks: dict[bytes, tuple[int, bytes | None, tuple[int, ...]]] = {}
+        for job in jobs:
+            for h, b, p, t in zip(job.hashes, job.block_ids, job.parents, job.token_ids):
+                blocks.setdefault(h, (b, p, t))          # two sequences may hand over one shared block
+        hashes = list(blocks)
         try:
-            lacking = [[s for s in stores if not s.contains(h)] for h in job.hashes]
+            lacking = [[s for s in stores if not s.contains(h)] for h in hashes]
             wanted = [i for i, missing in enumerate(lacking) if missing]
             for i, missing in enumerate(lacking):
                 if not missing:
-                    self._remember(job.hashes[i])
+                    self._remember(hashes[i])
             kv = None
             if wanted:
                 try:
-                    kv = self.worker.export_blocks([job.block_ids[i] for i in wanted])
+                    kv = self.worker.export_blocks([blocks[hashes[i]][0] for i in wanted])
                 except Exception as exc:       # the worker went away: the engine is being replaced
                     self.stats.save_failures += 1
                     log.debug("exporting blocks for a checkpoint failed: %s", exc)
                     return
                 self.stats.exported_blocks += len(wanted)
         finally:
-            self._release(job.held)
+            for job in jobs:
+                self._release(job.held)
         if kv is None or self._closed:
             return
-        values = self.checkpoints.encode(kv, [job.hashes[i] for i in wanted], [job.parents[i] for i in wanted],
-                                         [job.token_ids[i] for i in wanted])
+        values = self.checkpoints.encode(kv, [hashes[i] for i in wanted], [blocks[hashes[i]][1] for i in wanted],
+                                         [blocks[hashes[i]][2] for i in wanted])
         for i, (digest, value) in zip(wanted, values):
             results = [store.put(digest, value) for store in lacking[i]]
             if any(results):
