@@ -220,14 +220,10 @@ def test_cli_make_draft_then_generate_with_it_and_with_the_target_as_draft(tmp_p
                         "--kv-memory", "32MiB")
     assert alone.returncode == 0 and alone.stdout.strip(), alone.stderr      # loads as an ordinary model
     case = load_fixture(MODEL)["generate"][0]
-    n = 16
-    from router.tokenizer import Tokenizer
-    tokenizer = Tokenizer.from_metadata(GGUFFile(resolve_model(MODEL)).metadata)
-    base = ["generate", "--model", MODEL, "--prompt", case["prompt_text"], "--max-tokens", str(n),
+    base = ["generate", "--model", MODEL, "--prompt", case["prompt_text"], "--max-tokens", "16",
             "--kv-memory", "64MiB"]
-    expected = tensorserve(*base)
-    assert expected.returncode == 0, expected.stderr
-    assert expected.stdout.rstrip("\n") == tokenizer.decode(case["greedy_continuation"][:n])
+    expected = tensorserve(*base)                # the plain output (test_cli compares it with llama.cpp's)
+    assert expected.returncode == 0 and expected.stdout.strip(), expected.stderr
     for draft in (str(made_draft), MODEL):
         got = tensorserve(*base, "--speculative", "draft", "--draft-model", draft)
         assert got.returncode == 0, got.stderr
