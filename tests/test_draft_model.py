@@ -196,6 +196,49 @@ def test_sampled_tokens_with_greedy_drafts_keep_the_target_distribution(made_run
     assert chi2 < CHI2_999[len(ids) - 1], (chi2, counts, expected)
 
 
+def test_gemma3_with_a_made_draft_keeps_its_greedy_output(engines, tmp_path):
+    """The other architecture (sliding-window layers, tied head): a draft of Gemma 3's first 6
+    layers drafts, and the greedy output is the plain one."""
+    from tensorserve.make_draft import make_draft
+    from worker.model_runner import ModelRunner
+    draft = make_draft(resolve_model("gemma3-270m"), 6, tmp_path / "gemma3-draft.gguf")
+    config = ModelConfig.from_gguf(GGUFFile(draft))
+    target = ModelConfig.from_gguf(GGUFFile(resolve_model("gemma3-270m")))
+    assert config.n_layers == 6 and [config.layer_window(i) for i in range(6)] == \
+        [target.layer_window(i) for i in range(6)]
+    runner = ModelRunner(resolve_model("gemma3-270m"), kv_memory=32 * 2**20, draft_model=draft)
+    prompts = [c["prompt_tokens"] for c in load_fixture("gemma3-270m")["generate"]]
+    spec = make_controller("draft", 2)
+    assert run(make_engine(runner, spec), [Sequence(list(p), greedy(12)) for p in prompts]) == \
+        plain(engines("gemma3-270m").runner, prompts, greedy(12))
+    assert spec.stats.draft_tokens > 0
+
+
+def test_the_worker_refuses_placeholders_without_a_draft_model_or_misplaced(engines, self_runner):
+    from shared.step import StepRequest
+    from worker.server import BadStep, WorkerServicer
+
+    def step(tokens: list[int], num_draft: int) -> StepRequest:
+        return StepRequest([SeqChunk(seq_id=1, token_ids=np.asarray(tokens, np.int64), start_pos=4,
+                                     block_table=np.arange(1, dtype=np.int32), prompt_len=4,
+                                     params=greedy(8), num_draft=num_draft)])
+    plain_worker = WorkerServicer(engines(MODEL).runner, MODEL, "cpu")
+    draft_worker = WorkerServicer(self_runner, MODEL, "cpu")
+    try:
+        assert plain_worker.Describe(None, None).draft_model == ""
+        assert draft_worker.Describe(None, None).draft_model == resolve_model(MODEL).name
+        with pytest.raises(BadStep, match="no draft model"):
+            plain_worker._validate(step([5, -1, -1], 2))
+        draft_worker._validate(step([5, -1, -1], 2))
+        with pytest.raises(BadStep, match="placeholders"):
+            draft_worker._validate(step([5, 7, -1], 2))
+        with pytest.raises(BadStep, match="token ids must lie"):
+            draft_worker._validate(step([-1, -1, -1], 2))
+    finally:
+        plain_worker.close()
+        draft_worker.close()
+
+
 def test_a_draft_of_another_vocabulary_is_refused_naming_both_models():
     from worker.draft_model import VocabularyMismatch
     from worker.model_runner import ModelRunner
