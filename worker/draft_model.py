@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -98,6 +99,13 @@ class Drafter(Protocol):
     def forget(self, seq_id: int) -> None: ...
 
 
+@dataclass
+class _DraftSeq:
+    valid: int = 0            # positions [0, valid) of the draft pool hold K/V of the sequence's own tokens
+    keys: list = field(default_factory=list)   # chained key of each full block of its known tokens
+    keyed: int = 0            # its leading blocks whose pool entries carry their key (block_keys)
+
+
 class DraftModel:
     """A draft GGUF's model and K/V pool on the target's backend (see the module's docstring)."""
     name = "draft"
@@ -117,7 +125,11 @@ class DraftModel:
         self.kv = KVPool(self.config, capacity, ops, kv_cache_dtype)
         self.model.bind_kv(self.kv.caches)
         self.capacity = capacity
-        self._valid: dict[int, int] = {}          # positions [0, n) of the draft pool hold the sequence's K/V
+        self._seqs: dict[int, _DraftSeq] = {}
+        # per block of the pool: the chained key of the token prefix whose draft K/V fills it (None:
+        # not full, or unknown). A prompt that comes from the prefix cache (prefix_ids) trusts the
+        # draft K/V of its leading blocks whose keys match its own, and computes the rest.
+        self.block_keys: list = [None] * capacity.num_blocks
         self.draft_tokens_computed = 0
 
     @property
@@ -126,21 +138,43 @@ class DraftModel:
 
     # ------------------------------------------------------------------------
     def before_step(self, chunks: list[SeqChunk], histories: dict[int, list[int]]) -> None:
+        bs = self.capacity.block_size
         for c in chunks:
-            valid = self._valid.get(c.seq_id, 0)
-            if c.prefix_ids is not None:          # its prefix may lie in blocks this pool never wrote
-                valid = 0
-            self._valid[c.seq_id] = min(valid, c.start_pos)
+            st = self._seqs.get(c.seq_id)
+            if st is None:
+                st = self._seqs[c.seq_id] = _DraftSeq()
+            if c.prefix_ids is not None:          # its prefix may sit in blocks this pool never wrote
+                st.keys = self._extend_keys([], [int(t) for t in c.prefix_ids], c.start_pos // bs)
+                table = c.block_table
+                n = 0
+                while n < len(st.keys) and self.block_keys[int(table[n])] == st.keys[n]:
+                    n += 1
+                st.valid, st.keyed = n * bs, n
+            elif c.start_pos == 0:
+                st.valid, st.keyed, st.keys = 0, 0, []
+            else:
+                st.valid = min(st.valid, c.start_pos)
+                st.keyed = min(st.keyed, st.valid // bs)
         wanted = [c for c in chunks if c.num_draft and int(c.token_ids[-1]) == PLACEHOLDER]
         if wanted:
             self._propose(wanted, histories)
 
     def kept(self, seq_id: int, length: int) -> None:
-        if seq_id in self._valid:
-            self._valid[seq_id] = min(self._valid[seq_id], length)
+        st = self._seqs.get(seq_id)
+        if st is not None:
+            st.valid = min(st.valid, length)
+            st.keyed = min(st.keyed, st.valid // self.capacity.block_size)
 
     def forget(self, seq_id: int) -> None:
-        self._valid.pop(seq_id, None)
+        self._seqs.pop(seq_id, None)
+
+    def _extend_keys(self, keys: list, tokens: list[int], blocks: int) -> list:
+        """`keys` extended to the first `blocks` full blocks of `tokens` (chained: a block's key
+        names the whole prefix through it)."""
+        bs = self.capacity.block_size
+        for i in range(len(keys), blocks):
+            keys.append(hash((keys[-1] if keys else 0, tuple(tokens[i * bs:(i + 1) * bs]))))
+        return keys
 
     # ------------------------------------------------------------------------
     def _propose(self, chunks: list[SeqChunk], histories: dict[int, list[int]]) -> None:
@@ -159,8 +193,19 @@ class DraftModel:
                 raise ValueError(f"sequence {c.seq_id} starts at position {c.start_pos} but the worker has seen "
                                  f"{len(history)} of its tokens: send prefix_ids")
             history = history[:c.start_pos] + real
-            start = self._valid[c.seq_id]
-            catch_up.append((np.asarray(history[start:], np.int64), start))
+            st = self._seqs[c.seq_id]
+            catch_up.append((np.asarray(history[st.valid:], np.int64), st.valid))
+            # the blocks pass 1 leaves full of the sequence's own tokens carry their keys from now on;
+            # the one it leaves partial, and those the drafts are written in, none
+            full = len(history) // bs
+            del st.keys[full:]
+            self._extend_keys(st.keys, history, full)
+            for i in range(st.keyed, full):
+                self.block_keys[int(c.block_table[i])] = st.keys[i]
+            st.keyed = full
+            for i in range(full, (len(history) + c.num_draft - 1) // bs + 1):
+                if i < len(c.block_table):
+                    self.block_keys[int(c.block_table[i])] = None
         # pass 1: every sequence's unseen tokens up to its last real one; the last row proposes d1
         tokens = np.concatenate([t for t, _ in catch_up])
         positions = np.concatenate([np.arange(s, s + len(t)) for t, s in catch_up])
@@ -171,7 +216,7 @@ class DraftModel:
         nxt = self._greedy(tokens, positions, query_lens, context, tables, np.cumsum(query_lens) - 1)
         for i, c in enumerate(chunks):
             drafts[i].append(nxt[i])
-            self._valid[c.seq_id] = int(context[i])
+            self._seqs[c.seq_id].valid = int(context[i])
         self.draft_tokens_computed += len(tokens)
         # passes 2..k: one decode row a sequence still drafting, its input the draft before
         while True:
@@ -188,7 +233,7 @@ class DraftModel:
             for j, i in enumerate(rows):
                 drafts[i].append(nxt[j])
                 context[i] += 1
-                self._valid[chunks[i].seq_id] = int(context[i])
+                self._seqs[chunks[i].seq_id].valid = int(context[i])
             self.draft_tokens_computed += len(rows)
         for c, d in zip(chunks, drafts):
             c.token_ids = np.concatenate([np.asarray(c.token_ids[:len(c.token_ids) - c.num_draft], np.int64),
