@@ -42,6 +42,7 @@ from worker.weights import WeightLoader
 log = logging.getLogger(__name__)
 
 PLACEHOLDER = -1       # a drafted position the worker fills in
+CATCH_UP_DECODE_ROWS = 4   # a draft catching up on at most this many tokens runs them as decode passes
 
 
 class VocabularyMismatch(ValueError):
@@ -207,37 +208,66 @@ class DraftModel:
                 if i < len(c.block_table):
                     self.block_keys[int(c.block_table[i])] = None
         # pass 1: every sequence's unseen tokens up to its last real one; the last row proposes d1
-        tokens = np.concatenate([t for t, _ in catch_up])
-        positions = np.concatenate([np.arange(s, s + len(t)) for t, s in catch_up])
-        query_lens = np.array([len(t) for t, _ in catch_up], np.int64)
         tables = self._tables(chunks)
         context = np.array([s + len(t) for t, s in catch_up], np.int64)
-        drafts = [list() for _ in chunks]
-        nxt = self._greedy(tokens, positions, query_lens, context, tables, np.cumsum(query_lens) - 1)
+        drafts: list[list[int]] = [[] for _ in chunks]
+        longest = max(len(t) for t, _ in catch_up)
+        if longest <= CATCH_UP_DECODE_ROWS:
+            # the usual case (the one or two tokens the last verification kept): as decode passes, which
+            # take the compiled products, where a pass of a few prompt rows may go to sgemm (on AVX2 a
+            # 2-row SmolLM2 pass took ~57 ms against ~7 ms a decode pass)
+            for j in range(longest):
+                rows = [i for i, (t, _) in enumerate(catch_up) if len(t) > j]
+                positions = np.array([catch_up[i][1] + j for i in rows], np.int64)
+                tokens = np.array([catch_up[i][0][j] for i in rows], np.int64)
+                nxt = self._run(self._decode_rows(rows, tokens, positions, tables))
+                for r, i in enumerate(rows):
+                    if len(catch_up[i][0]) == j + 1:
+                        drafts[i].append(nxt[r])
+                self.draft_tokens_computed += len(rows)
+        else:
+            tokens = np.concatenate([t for t, _ in catch_up])
+            positions = np.concatenate([np.arange(s, s + len(t)) for t, s in catch_up])
+            query_lens = np.array([len(t) for t, _ in catch_up], np.int64)
+            nxt = self._greedy(tokens, positions, query_lens, context, tables, np.cumsum(query_lens) - 1)
+            for i in range(len(chunks)):
+                drafts[i].append(nxt[i])
+            self.draft_tokens_computed += len(tokens)
         for i, c in enumerate(chunks):
-            drafts[i].append(nxt[i])
             self._seqs[c.seq_id].valid = int(context[i])
-        self.draft_tokens_computed += len(tokens)
         # passes 2..k: one decode row a sequence still drafting, its input the draft before
         while True:
             rows = [i for i, c in enumerate(chunks) if len(drafts[i]) < c.num_draft]
             if not rows:
                 break
-            tokens = np.array([drafts[i][-1] for i in rows], np.int64)
-            positions = np.array([context[i] for i in rows], np.int64)
-            ctx = positions + 1
-            slots = np.array([tables[i, p // bs] * bs + p % bs for i, p in zip(rows, positions)], np.int64)
-            meta = AttentionMetadata.for_decode(ctx, tables[rows].astype(np.int64), slots)
-            inp = ForwardInput(tokens, positions, meta, np.arange(len(rows)))
-            nxt = self._run(inp)
-            for j, i in enumerate(rows):
-                drafts[i].append(nxt[j])
-                context[i] += 1
-                self._seqs[chunks[i].seq_id].valid = int(context[i])
-            self.draft_tokens_computed += len(rows)
+            left = {chunks[i].num_draft - len(drafts[i]) for i in rows}
+            steps = self._run_steps(self._decode_input(rows, drafts, context, tables), left.pop()) if len(left) == 1 else None
+            if steps is not None:       # up to a row's NaN logits (-1 from there on): the rest one by one
+                bad = (steps < 0).any(axis=1)
+                steps = steps[:int(np.argmax(bad)) if bad.any() else len(steps)].tolist()
+            for nxt in steps if steps else [self._run(self._decode_input(rows, drafts, context, tables))]:
+                for j, i in enumerate(rows):
+                    drafts[i].append(int(nxt[j]))
+                    context[i] += 1
+                    self._seqs[chunks[i].seq_id].valid = int(context[i])
+                self.draft_tokens_computed += len(rows)
         for c, d in zip(chunks, drafts):
             c.token_ids = np.concatenate([np.asarray(c.token_ids[:len(c.token_ids) - c.num_draft], np.int64),
                                           np.asarray(d, np.int64)])
+
+    def _decode_input(self, rows: list[int], drafts: list[list[int]], context: np.ndarray,
+                      tables: np.ndarray) -> ForwardInput:
+        """One decode row for each of `rows`: its last draft at the position after its context (fresh
+        arrays each time: a multi-step replay advances them in place)."""
+        return self._decode_rows(rows, np.array([drafts[i][-1] for i in rows], np.int64),
+                                 np.array([context[i] for i in rows], np.int64), tables)
+
+    def _decode_rows(self, rows: list[int], tokens: np.ndarray, positions: np.ndarray,
+                     tables: np.ndarray) -> ForwardInput:
+        bs = self.capacity.block_size
+        slots = np.array([tables[i, p // bs] * bs + p % bs for i, p in zip(rows, positions.tolist())], np.int64)
+        meta = AttentionMetadata.for_decode(positions + 1, tables[rows].astype(np.int64), slots)
+        return ForwardInput(tokens, positions, meta, np.arange(len(rows)))
 
     def _tables(self, chunks: list[SeqChunk]) -> np.ndarray:
         width = max(len(c.block_table) for c in chunks)
@@ -252,6 +282,15 @@ class DraftModel:
         slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
         meta = AttentionMetadata(query_lens, context, tables, slots, causal=True)
         return self._run(ForwardInput(tokens, positions, meta, np.asarray(output_rows, np.int64)))
+
+    def _run_steps(self, inp: ForwardInput, steps: int) -> np.ndarray | None:
+        """`steps` greedy decode passes in one call where the backend replays them ([steps, rows]
+        tokens), else None and nothing was kept."""
+        run_steps = getattr(self.ops, "run_greedy_steps", None)
+        if steps < 2 or run_steps is None or not self.config.causal:
+            return None
+        self.ops.begin_pass(len(inp.token_ids), True)
+        return run_steps(self.model, inp, steps)
 
     def _run(self, inp: ForwardInput) -> list[int]:
         """The argmax after each output row (the first maximum, as the greedy sampler takes)."""
