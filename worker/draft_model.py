@@ -12,10 +12,11 @@ size and number of blocks): the scheduler's block tables serve both, and no seco
 manager exists. The draft catches up lazily: it remembers, per sequence, how many leading
 positions of its pool hold K/V of the sequence's own tokens, and before proposing runs over the
 tokens it has not seen (a whole prompt the first time, then the one or two tokens the last
-verification kept). A chunk starting at position s means positions from s on are (re)written,
-and a chunk that brings its prefix (prefix cache, preemption) may sit in other blocks: both cut
-what the draft trusts, so rejected drafts' K/V, other sequences' blocks and restored checkpoints
-are simply computed again.
+verification kept, as decode passes). A chunk starting at position s means positions from s on
+are (re)written, which cuts what the draft trusts, so rejected drafts' K/V is computed again. A
+chunk that brings its prefix (prefix cache, preemption, restored checkpoints) may sit in blocks
+this pool never wrote: each full block of the pool carries the chained key of the token prefix
+whose draft K/V fills it, and the sequence trusts its leading blocks whose keys match its own.
 
 `Drafter` is the interface the runner drives; a model's own draft heads (MTP / NextN layers
 carried inside the target GGUF) can implement it later on the target's hidden states.
