@@ -326,3 +326,31 @@ def test_serve_refuses_a_draft_of_another_vocabulary_at_start(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "--draft-model gemma3-270m" in out.stderr and "does not share the vocabulary" in out.stderr
     assert "smollm2-135m" in out.stderr and "vocabulary size 262144 against the target's 49152" in out.stderr
+
+
+def test_a_scheduler_speculating_with_a_draft_model_waits_for_a_worker_that_runs_one(tmp_path):
+    """`tensorserve scheduler --speculative draft` against a worker started without --draft-model:
+    not serving, and its status says why."""
+    import grpc
+
+    from processes import wait_for
+    from protos.tensorserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+    procs = []
+    try:
+        worker, winfo = start_with_ready_file(
+            [sys.executable, "-m", "worker.main", "--model", MODEL, "--kv-memory", "16MiB", "--ready-file",
+             str(tmp_path / "w.json")], tmp_path / "w.json", tmp_path / "worker.log", timeout=300)
+        procs.append(worker)
+        sched, sinfo = start_with_ready_file(
+            [sys.executable, "-m", "scheduler.main", "--port", "0", "--ready-file", str(tmp_path / "s.json"),
+             "--worker", winfo["address"], "--speculative", "draft"], tmp_path / "s.json",
+            tmp_path / "scheduler.log", timeout=120)
+        procs.append(sched)
+        with grpc.insecure_channel(sinfo["address"]) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            assert wait_for(lambda: "runs no draft model" in stub.Stats(scheduler_pb2.StatsRequest()).status_message,
+                            30), stub.Stats(scheduler_pb2.StatsRequest())
+            assert stub.Stats(scheduler_pb2.StatsRequest()).status == common_pb2.SERVING_STATUS_NOT_SERVING
+    finally:
+        for p in reversed(procs):
+            stop(p)
