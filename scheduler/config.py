@@ -30,8 +30,8 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
                                    "tokens reach clients that many at a time", Integer(1, 64))
     speculative: str = option("off", "speculative decoding: drafted tokens verified by the model in one pass "
                               "(greedy output unchanged, sampling keeps its distribution); ngram = prompt "
-                              "lookup over the prompt and the text so far; draft = a draft model (not built "
-                              "yet); a request's \"speculative\": false turns it off for that request",
+                              "lookup over the prompt and the text so far; draft = a draft model the worker "
+                              "runs beside the model (--draft-model), greedy drafts; a request's \"speculative\": false turns it off for that request",
                               Choice("off", "ngram", "draft"))
     num_speculative_tokens: int = option(3, "tokens drafted per sequence and step at most, with --speculative",
                                          Integer(1, 16), aliases=("--num-spec-tokens",))
@@ -64,12 +64,18 @@ SPECULATIVE_OPTIONS = ("speculative", "num_speculative_tokens", "prompt_lookup_m
 
 
 def check_speculative(resolved: Resolved) -> None:
-    """What --speculative cannot do yet, and n-gram bounds that contradict each other, refused at
-    the door (scheduler, serve and generate)."""
+    """N-gram bounds that contradict each other, and (where the command also takes the worker's
+    --draft-model: serve, generate) --speculative draft without a draft model or a draft model
+    without --speculative draft, refused at the door (scheduler, serve and generate)."""
     values = resolved.values
-    if values["speculative"] == "draft":
-        raise ConfigError(f"{resolved.where('speculative')}: the draft-model proposer is not built yet "
-                          "(issue #29); use --speculative ngram or off")
+    if "draft_model" in values:
+        if values["speculative"] == "draft" and not values["draft_model"]:
+            raise ConfigError(f"{resolved.where('speculative')} needs a draft model: give --draft-model "
+                              "(TS_DRAFT_MODEL) a GGUF sharing the model's vocabulary, e.g. one written by "
+                              "`tensorserve make-draft --model MODEL --layers N --out FILE`")
+        if values["draft_model"] and values["speculative"] != "draft":
+            raise ConfigError(f"{resolved.where('draft_model')} is only used with --speculative draft "
+                              f"(it is {values['speculative']})")
     if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
         raise ConfigError(f"{resolved.where('prompt_lookup_min')} is above {resolved.where('prompt_lookup_max')}")
 

@@ -277,6 +277,9 @@ class SchedulerCore:
                               internal_token=self.config.internal_token)
         try:
             d = client.describe(timeout_s=2.0)
+            if self.config.speculative == "draft" and not d.draft_model:
+                raise WorkerFailure(f"worker {address} runs no draft model, which --speculative draft needs: "
+                                    "start the worker with --draft-model")
         except WorkerFailure as exc:
             client.close()
             now = time.monotonic()

@@ -110,6 +110,11 @@ def check_model(resolved: Resolved):
         raise ConfigError(f"{resolved.where('model')}: {exc}") from None
 
 
+def open_model(model: str, model_cache: str):
+    """A model argument's GGUF header (cached: the checks of one process open a model once)."""
+    return _open_model(model, model_cache)
+
+
 @functools.lru_cache(maxsize=4)
 def _open_model(model: str, model_cache: str):
     from shared.gguf_file import GGUFFile

@@ -20,13 +20,16 @@ MODEL_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_leve
 ENGINE_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level", "kv_memory", "kv_cache_dtype",
                                                 "threads"))
 GENERATE_OPTIONS = ENGINE_OPTIONS + options_of(RouterConfig, only=("chat_template",)) \
-    + options_of(SchedulerConfig, only=SPECULATIVE_OPTIONS)
+    + options_of(SchedulerConfig, only=SPECULATIVE_OPTIONS) + options_of(WorkerConfig, only=("draft_model",))
 
 
 def _check(resolved) -> None:
-    check_model(resolved)
+    gguf = check_model(resolved)
     if "speculative" in resolved.values:
         check_speculative(resolved)
+    if "draft_model" in resolved.values:
+        from worker.config import check_draft_model
+        check_draft_model(resolved, gguf)
 
 
 def _configured(args: argparse.Namespace, options: list) -> Any:
@@ -91,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tensorserve.local import LocalEngine
 
     engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"], kv_cache_dtype=opts["kv_cache_dtype"],
-                         **{name: opts[name] for name in SPECULATIVE_OPTIONS})
+                         draft_model=opts["draft_model"], **{name: opts[name] for name in SPECULATIVE_OPTIONS})
     tokenizer = engine.tokenizer
     if args.chat:
         template = (ChatTemplate.from_file(opts["chat_template"], tokenizer) if opts["chat_template"]
@@ -114,6 +117,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_draft(args: argparse.Namespace) -> int:
+    opts = _configured(args, MODEL_OPTIONS)
+    if isinstance(opts, int):
+        return opts
+    from shared.model_registry import resolve_model
+    from tensorserve.make_draft import make_draft
+    out = make_draft(resolve_model(opts["model"]), args.layers, args.out)
+    print(f"wrote {out}: the first {args.layers} layers of {opts['model']}, its output norm and head "
+          f"({out.stat().st_size / 2**20:.1f} MiB); use it with --speculative draft --draft-model {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="tensorserve", description="Serve GGUF language models.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -132,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens, 0 = off (default 0)")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("make-draft", help="write a self-speculative draft GGUF: a model's first N layers, its "
+                       "output norm and head (for --speculative draft --draft-model FILE)")
+    add_flags(p, MODEL_OPTIONS)
+    p.add_argument("--layers", type=int, required=True, help="layers of the model the draft keeps (from the first)")
+    p.add_argument("--out", required=True, help="the GGUF file to write")
+    p.set_defaults(func=cmd_make_draft)
 
     p = sub.add_parser("tokenize", help="read text on stdin, print its token ids as a JSON list")
     add_flags(p, MODEL_OPTIONS)

@@ -30,10 +30,11 @@ class LocalEngine:
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, load_tokenizer: bool = True,
                  enable_prefix_caching: bool = True, num_decode_steps: int = 1, kv_cache_dtype: str = "f16",
                  speculative: str = "off", num_speculative_tokens: int = 3, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4):
+                 prompt_lookup_max: int = 4, draft_model: str | Path | None = None):
         self.path = resolve_model(str(model))
         self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size,
-                                  kv_cache_dtype=kv_cache_dtype)
+                                  kv_cache_dtype=kv_cache_dtype,
+                                  draft_model=resolve_model(str(draft_model)) if draft_model else None)
         cap = self.runner.capacity
         self.engine = Engine(self.runner.execute, cap.num_blocks, cap.block_size, cap.max_context,
                              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

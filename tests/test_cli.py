@@ -99,7 +99,10 @@ def test_generate_with_ngram_speculation_streams_the_same_greedy_text():
     assert out.stdout.rstrip("\n") == tokenizer.decode(case["greedy_continuation"][:n])
 
 
-@pytest.mark.parametrize("flags,message", [(["--speculative", "draft"], "not built yet"),
+@pytest.mark.parametrize("flags,message", [(["--speculative", "draft"], "needs a draft model"),
+                                           (["--draft-model", "smollm2-135m"], "only used with --speculative draft"),
+                                           (["--speculative", "draft", "--draft-model", "gemma3-270m"],
+                                            "does not share the vocabulary"),
                                            (["--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
                                             "--prompt-lookup-min 5 (flag) is above")])
 def test_generate_refuses_what_speculation_cannot_do_before_loading(flags, message):

@@ -25,14 +25,17 @@ def test_min_n_and_k_bound_the_proposal():
     assert find_continuation([1, 2, 1, 2], 1, 4, 0) == []
 
 
-def test_proposers_are_chosen_by_name_and_draft_is_refused_clearly():
+def test_proposers_are_chosen_by_name():
     assert PROPOSERS["ngram"] is NgramProposer
     assert make_controller("off") is None
     controller = make_controller("ngram", 5, 2, 3)
     assert controller.k == 5 and controller.method == "ngram"
     out = controller.proposer.propose([DraftRequest(0, [4, 5, 6, 4, 5], 2), DraftRequest(1, [1, 2], 3)])
     assert out == [[6, 4], []]
-    with pytest.raises(ValueError, match="not built yet"):
-        make_controller("draft")
+    draft = make_controller("draft", 4)      # the worker's draft model fills the placeholders
+    assert draft.method == "draft" and draft.k == 4
+    assert draft.proposer.propose([DraftRequest(0, [4, 5], 2), DraftRequest(1, [1], 3)]) == [[-1, -1], [-1, -1, -1]]
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        make_controller("medusa")
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(3, 2)

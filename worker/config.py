@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from shared.common_config import (InternalOptions, LoggingOptions, ModelOptions, TransportOptions, check_exposure,
-                                  check_model)
+from shared.common_config import (InternalOptions, LoggingOptions, ModelOptions, ModelRef, TransportOptions,
+                                  check_exposure, check_model)
 from shared.option_kinds import Choice, Integer, Port, Size, Text
 from shared.options import ConfigError, Resolved, option
 
@@ -31,6 +31,10 @@ class WorkerConfig(InternalOptions, TransportOptions, LoggingOptions, ModelOptio
                                      "--kv-memory cannot hold it (default: what the memory and the model allow)",
                                      Integer(1), aliases=("--max-model-len",))
     backend: str = option("auto", "kernels backend: cpu, or auto (the device found)", Choice("auto", "cpu"))
+    draft_model: str | None = option(None, "draft model for --speculative draft: a bundled model name or a GGUF "
+                                     "path sharing the model's vocabulary (e.g. one written by `tensorserve "
+                                     "make-draft`); the worker runs it beside the model, its K/V in blocks of its "
+                                     "own mirroring the model's", ModelRef())
     threads: int | None = option(None, "compute threads of the worker (numba and OpenBLAS; default: one "
                                  "per core)", Integer(1))
 
@@ -42,6 +46,7 @@ def check(resolved: Resolved) -> None:
     from worker.kv_pool import bytes_per_block, plan_capacity
     gguf = check_model(resolved)
     v = resolved.values
+    check_draft_model(resolved, gguf)
     config = ModelConfig.from_gguf(gguf)
     try:
         per_block = bytes_per_block(config, v["block_size"], v["kv_cache_dtype"])
@@ -66,6 +71,23 @@ def check(resolved: Resolved) -> None:
                           "--kv-memory") from None
     finally:
         kv_log.disabled = quiet
+
+
+def check_draft_model(resolved: Resolved, target) -> None:
+    """--draft-model opens, is an architecture the worker runs, and shares the model's vocabulary."""
+    name = resolved.values.get("draft_model")
+    if not name:
+        return
+    from shared.common_config import open_model
+    from shared.errors import TensorServeError
+    from worker.draft_model import check_vocabulary
+    from worker.models import model_class
+    try:
+        draft = open_model(name, resolved.values["model_cache"])
+        model_class(draft.architecture, draft.path)
+        check_vocabulary(target, draft, resolved.values["model"], name)
+    except (TensorServeError, OSError, ValueError) as exc:
+        raise ConfigError(f"{resolved.where('draft_model')}: {exc}") from None
 
 
 def check_process(resolved: Resolved) -> None:

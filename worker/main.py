@@ -87,9 +87,10 @@ def run(flags: argparse.Namespace) -> int:
         path = resolve_model(args.model)
         log.info("loading model %s from %s", args.model, path)
         t0 = time.perf_counter()
+        draft = resolve_model(args.draft_model) if args.draft_model else None
         runner = model_thread.submit(ModelRunner, path, backend=args.backend, kv_memory=args.kv_memory,
                                      block_size=args.block_size, max_context=args.max_context,
-                                     kv_cache_dtype=args.kv_cache_dtype).result()
+                                     kv_cache_dtype=args.kv_cache_dtype, draft_model=draft).result()
     except (TensorServeError, ValueError, OSError) as exc:
         model_thread.shutdown(wait=False)
         print(f"error: {exc}", file=sys.stderr)
@@ -103,7 +104,8 @@ def run(flags: argparse.Namespace) -> int:
     if stop.is_set():
         return 0
 
-    servicer = WorkerServicer(runner, model_name(args.model), backend, args.tensor_transport, model_thread)
+    servicer = WorkerServicer(runner, model_name(args.model), backend, args.tensor_transport, model_thread,
+                              draft_model_name=model_name(args.draft_model) if args.draft_model else "")
     try:
         server, port = start_server(servicer, args.host, args.port, internal_token=args.internal_token)
     except (OSError, RuntimeError) as exc:

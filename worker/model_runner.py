@@ -18,6 +18,7 @@ from shared.model_config import ModelConfig
 from shared.sampling_params import SamplingParams
 from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 from worker.config import DEFAULT_KV_MEMORY
+from worker.draft_model import DraftModel, check_vocabulary
 from worker.kv_pool import DEFAULT_CODEC, KVPool, plan_capacity
 from worker.models import ForwardInput, model_class
 from worker.sampling import Sampler, make_generator
@@ -41,19 +42,38 @@ class _SeqState:
 
 class ModelRunner:
     def __init__(self, model_path: str | Path, backend: str = "cpu", kv_memory: int = DEFAULT_KV_MEMORY,
-                 block_size: int = 16, max_context: int | None = None, kv_cache_dtype: str = DEFAULT_CODEC):
+                 block_size: int = 16, max_context: int | None = None, kv_cache_dtype: str = DEFAULT_CODEC,
+                 draft_model: str | Path | None = None):
+        """`draft_model`: a draft GGUF run beside the target for speculative decoding (its own K/V
+        pool, block ids mirroring the target's; worker/draft_model.py); it must share the
+        target's vocabulary."""
         t0 = time.perf_counter()
         self.gguf = GGUFFile(model_path)
         # the architecture first: another architecture's file lacks the metadata keys a config reads
         cls = model_class(self.gguf.architecture, self.gguf.path)
         self.config = ModelConfig.from_gguf(self.gguf)
+        draft_gguf = None
+        if draft_model is not None:
+            draft_gguf = GGUFFile(draft_model)
+            model_class(draft_gguf.architecture, draft_gguf.path)
+            check_vocabulary(self.gguf, draft_gguf)
         self.ops = get_backend(backend)
-        self.ops.plan_weights({t.ggml_type for t in self.gguf.tensors.values() if len(t.shape) == 2})
+        # one plan for both models' matrices: the backend picks its products once
+        self.ops.plan_weights({t.ggml_type for g in (self.gguf, draft_gguf) if g is not None
+                               for t in g.tensors.values() if len(t.shape) == 2})
         self.ops.warm_up()
         self.model = cls(self.config, WeightLoader(self.gguf, self.ops), self.ops)
         self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context, kv_cache_dtype)
         self.kv = KVPool(self.config, self.capacity, self.ops, kv_cache_dtype)
         self.model.bind_kv(self.kv.caches)
+        self.drafter: DraftModel | None = None
+        if draft_gguf is not None:
+            same = draft_gguf.path.resolve() == self.gguf.path.resolve()
+            self.drafter = DraftModel(draft_gguf, self.ops, self.capacity, kv_cache_dtype,
+                                      shared_model=self.model if same else None)
+            log.info("draft model %s (%s, %d layers%s) beside the target, its K/V in %d blocks of its own",
+                     draft_gguf.path.name, self.drafter.config.architecture, self.drafter.config.n_layers,
+                     ", the target's own weights" if same else "", self.capacity.num_blocks)
         self.sampler = Sampler()
         self._seqs: dict[int, _SeqState] = {}
         self.tokens_computed = 0
@@ -65,6 +85,8 @@ class ModelRunner:
     def execute(self, request: StepRequest) -> StepResult:
         for seq_id in request.finished:
             self._seqs.pop(seq_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(seq_id)
         self.kv.copy_blocks(request.copy_blocks)
         chunks = request.chunks
         if not chunks:
@@ -76,9 +98,20 @@ class ModelRunner:
                     raise ValueError(f"sequence {c.seq_id}: placeholder token -1 but this worker has sampled "
                                      "no token for it")
                 c.token_ids = np.array([state.last_sampled], np.int64)
+        if self.drafter is not None:        # fills the drafted positions (-1) a chunk asks it for
+            self.drafter.before_step(chunks, {c.seq_id: self._seqs[c.seq_id].tokens for c in chunks
+                                              if c.seq_id in self._seqs})
+        elif any(c.num_draft and int(c.token_ids[-1]) == -1 for c in chunks):
+            raise ValueError("a chunk asks this worker to draft tokens but it has no draft model "
+                             "(start it with --draft-model)")
         if request.num_steps > 1:
             return self._execute_steps(chunks, request.num_steps)
-        return self._execute_chunks(chunks)
+        result = self._execute_chunks(chunks)
+        if self.drafter is not None:
+            for c, r in zip(chunks, result.results):
+                if c.num_draft:
+                    self.drafter.kept(c.seq_id, c.start_pos + len(c.token_ids) - c.num_draft + len(r.accepted_ids))
+        return result
 
     def _execute_chunks(self, chunks: list[SeqChunk]) -> StepResult:
         inp, score_rows = self._pack(chunks)

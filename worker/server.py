@@ -70,11 +70,12 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, model_name: str, backend: str, transport: str = "auto",
-                 model_thread: futures.ThreadPoolExecutor | None = None):
+                 model_thread: futures.ThreadPoolExecutor | None = None, draft_model_name: str = ""):
         if transport not in ("auto", "shm", "inline"):
             raise ValueError(f"tensor transport must be shm, inline or auto, got {transport!r}")
         self.runner = runner
         self.model_name = model_name
+        self.draft_model_name = draft_model_name or (runner.drafter.path.name if runner.drafter is not None else "")
         self.backend = backend
         self.transport = transport
         self.hostname = socket.gethostname()
@@ -150,9 +151,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise BadStep(f"{where}: block_table must be a 1-D integer array, "
                               f"got dtype {table.dtype} shape {table.shape}")
             placeholder = tokens.size == 1 and int(tokens[0]) == -1     # "the token you sampled last"
-            if not placeholder and (tokens.min() < 0 or tokens.max() >= vocab):
-                raise BadStep(f"{where}: token ids must lie in [0, {vocab}), got {int(tokens.min())}.."
-                              f"{int(tokens.max())}")
+            if c.num_draft and int(tokens[-1]) == -1:       # drafted positions this worker fills in
+                if self.runner.drafter is None:
+                    raise BadStep(f"{where}: asks this worker to draft tokens but it has no draft model "
+                                  "(start it with --draft-model)")
+                if c.num_draft >= tokens.size or (tokens[-c.num_draft:] != -1).any():
+                    raise BadStep(f"{where}: a chunk asking for drafts ends in num_draft placeholders (-1)")
+            real = tokens[:-c.num_draft] if c.num_draft and int(tokens[-1]) == -1 else tokens
+            if not placeholder and (real.min() < 0 or real.max() >= vocab):
+                raise BadStep(f"{where}: token ids must lie in [0, {vocab}), got {int(real.min())}.."
+                              f"{int(real.max())}")
             if table.size and (table.min() < 0 or table.max() >= cap.num_blocks):
                 raise BadStep(f"{where}: block ids must lie in [0, {cap.num_blocks}), got "
                               f"{int(table.min())}..{int(table.max())}")
@@ -186,7 +194,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=cfg.vocab_size, num_blocks=cap.num_blocks, block_size=cap.block_size,
             max_context=cap.max_context, n_layers=cfg.n_layers, backend=self.backend,
             hostname=self.hostname, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-            kv_cache_dtype=block_transfer.pool_dtype_name(self.runner.kv))
+            kv_cache_dtype=block_transfer.pool_dtype_name(self.runner.kv), draft_model=self.draft_model_name)
 
     def Step(self, request, context):
         with self._lock:

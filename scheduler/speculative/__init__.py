@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from scheduler.speculative.base import DraftRequest, Proposer
 from scheduler.speculative.controller import SpeculativeController, SpeculativeStats
+from scheduler.speculative.draft_model import DraftModelProposer
 from scheduler.speculative.ngram import NgramProposer
 
-# `--speculative NAME`; "draft" (a draft GGUF model run by the worker) is not built yet
-PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer}
+# `--speculative NAME`; "draft" asks the worker's draft model (--draft-model) for the tokens
+PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "draft": DraftModelProposer}
 METHODS = ("off", "ngram", "draft")
 
 
@@ -18,13 +19,12 @@ def make_controller(method: str, num_speculative_tokens: int = 3, prompt_lookup_
     if method == "off":
         return None
     if method == "draft":
-        raise ValueError("--speculative draft (a draft GGUF model) is not built yet (issue #29): "
-                         "use --speculative ngram or off")
+        return SpeculativeController(DraftModelProposer(), num_speculative_tokens)
     if method != "ngram":
         raise ValueError(f"unknown speculative method {method!r}: one of {', '.join(METHODS)}")
     proposer = NgramProposer(prompt_lookup_min, prompt_lookup_max)
     return SpeculativeController(proposer, num_speculative_tokens)
 
 
-__all__ = ["DraftRequest", "Proposer", "NgramProposer", "PROPOSERS", "METHODS", "SpeculativeController",
+__all__ = ["DraftRequest", "Proposer", "NgramProposer", "DraftModelProposer", "PROPOSERS", "METHODS", "SpeculativeController",
            "SpeculativeStats", "make_controller"]

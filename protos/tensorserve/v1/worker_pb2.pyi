@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "fingerprint", "vocab_size", "num_blocks", "block_size", "max_context", "n_layers", "backend", "hostname", "kv_heads", "head_dim", "kv_cache_dtype")
+    __slots__ = ("model_name", "architecture", "fingerprint", "vocab_size", "num_blocks", "block_size", "max_context", "n_layers", "backend", "hostname", "kv_heads", "head_dim", "kv_cache_dtype", "draft_model")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class DescribeResponse(_message.Message):
     KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     fingerprint: str
@@ -39,7 +40,8 @@ class DescribeResponse(_message.Message):
     kv_heads: int
     head_dim: int
     kv_cache_dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    draft_model: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., draft_model: _Optional[str] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
     __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids", "score_targets", "num_draft")
