@@ -60,14 +60,26 @@ def test_q8_0_kv_cache_keeps_the_aggregate_bar(model, engines):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_q8_0_kv_cache_clears_the_bar_against_llama_cpp_with_a_q8_0_cache(model, engines):
-    """The strict bar for q8_0's K/V, against llama.cpp with the same cache type (its own q8_0
-    cache misses the f16 references at the same near-ties as ours: docs/BENCHMARKS.md, KV cache
-    codecs); references made by loadtest/peer_kv_references.py."""
+    """The bar for q8_0's K/V, against llama.cpp with the same cache type (references made by
+    loadtest/peer_kv_references.py): argmax agreement and logprob errors as the bar has them; a
+    strong miss is a position where llama.cpp leads by >= 0.5 with its q8_0 cache and with its
+    f16 one (the main fixture) alike and ours differs. llama.cpp's own q8_0 cache flips some of
+    its f16 run's near-ties with a lead of up to ~0.6 (docs/BENCHMARKS.md, KV cache codecs):
+    a token only one of its two caches picks is no fixed point to hold ours to."""
     references = load_fixture(f"kv-q8_0/{model}")
     assert references["kv_cache_type"] == "q8_0"
     report = teacher_forced(engines, model, "q8_0", references)
     print(model, "q8_0 against llama.cpp q8_0", report.summary())
-    assert report.passed, report.summary()
+    assert report.rate >= MIN_ARGMAX_AGREEMENT, report.summary()
+    assert max(report.position_errors) <= MAX_LOGPROB_ERROR, report.summary()
+    assert median(report.position_errors) <= MAX_MEDIAN_LOGPROB_ERROR, report.summary()
+    ours, f16 = scores(engines, model, "q8_0"), load_fixture(model)["generate"]
+    both = []
+    for case, q8_case, mine in zip(f16, references["generate"], ours, strict=True):
+        against_f16 = {m[0] for m in Agreement().add_case(case["teacher_forced"], mine).strong_misses}
+        against_q8 = Agreement().add_case(q8_case["teacher_forced"], mine).strong_misses
+        both += [(case["name"], *m) for m in against_q8 if m[0] in against_f16]
+    assert not both, both
 
 
 @pytest.mark.parametrize("model", MODELS)
