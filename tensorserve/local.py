@@ -30,7 +30,7 @@ class LocalEngine:
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, load_tokenizer: bool = True,
                  enable_prefix_caching: bool = True, num_decode_steps: int = 1, kv_cache_dtype: str = "f16",
                  speculative: str = "off", num_speculative_tokens: int = 3, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4):
+                 prompt_lookup_max: int = 4, speculative_governor: bool = True):
         self.path = resolve_model(str(model))
         self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size,
                                   kv_cache_dtype=kv_cache_dtype)
@@ -40,7 +40,7 @@ class LocalEngine:
                              fingerprint=self.runner.config.fingerprint, enable_prefix_caching=enable_prefix_caching,
                              num_decode_steps=num_decode_steps,
                              speculative=make_controller(speculative, num_speculative_tokens, prompt_lookup_min,
-                                                         prompt_lookup_max))
+                                                         prompt_lookup_max, speculative_governor))
         self.tokenizer = None
         if load_tokenizer:
             from router.tokenizer import Tokenizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from scheduler.speculative.base import DraftRequest, Proposer
 from scheduler.speculative.controller import SpeculativeController, SpeculativeStats
+from scheduler.speculative.governor import BucketState, CostGovernor
 from scheduler.speculative.ngram import NgramProposer
 
 # `--speculative NAME`; "draft" (a draft GGUF model run by the worker) is not built yet
@@ -13,8 +14,9 @@ METHODS = ("off", "ngram", "draft")
 
 
 def make_controller(method: str, num_speculative_tokens: int = 3, prompt_lookup_min: int = 1,
-                    prompt_lookup_max: int = 4) -> SpeculativeController | None:
-    """The engine's controller for `--speculative METHOD`, or None for "off"."""
+                    prompt_lookup_max: int = 4, governor: bool = True) -> SpeculativeController | None:
+    """The engine's controller for `--speculative METHOD`, or None for "off"; with a cost governor
+    (`--speculative-governor`, on by default) unless `governor` is False."""
     if method == "off":
         return None
     if method == "draft":
@@ -23,8 +25,8 @@ def make_controller(method: str, num_speculative_tokens: int = 3, prompt_lookup_
     if method != "ngram":
         raise ValueError(f"unknown speculative method {method!r}: one of {', '.join(METHODS)}")
     proposer = NgramProposer(prompt_lookup_min, prompt_lookup_max)
-    return SpeculativeController(proposer, num_speculative_tokens)
+    return SpeculativeController(proposer, num_speculative_tokens, CostGovernor() if governor else None)
 
 
 __all__ = ["DraftRequest", "Proposer", "NgramProposer", "PROPOSERS", "METHODS", "SpeculativeController",
-           "SpeculativeStats", "make_controller"]
+           "SpeculativeStats", "CostGovernor", "BucketState", "make_controller"]
