@@ -133,8 +133,10 @@ class Engine:
                 planned.add(seq.seq_id)
                 free -= k
                 budget -= 1
+        # the governor's mode for this step: drafting where some sequence could draft (and so holds
+        # the pipeline) and the governor lets this batch size draft
         self._drafting = self.speculative is not None and self.speculative.holds_pipelining(self.running)
-        if plan and self._drafting:                    # drafted tokens ride with the decodes
+        if plan and self.speculative is not None:       # drafted tokens ride with the decodes (not where paused)
             budget, free = self.speculative.draft(plan, budget, free, self.blocks, self.max_context,
                                                   len(self.running))
         if plan:

@@ -232,6 +232,8 @@ def test_through_the_engine_drafts_that_never_match_pause_drafting_and_copying_b
     states.clear()
     out = run(engine, copy_prompt, 64, lambda: states.append(g.state(1)))
     assert out == run(plain_engine, copy_prompt, 64)
-    assert states[-1] == DRAFTING, states
+    # drafting again once the back-off let it probe (and perhaps paused again at the end, where the
+    # model stops copying: the paragraph is repeated by then)
+    assert DRAFTING in states[states.index(PROBING):], states
     assert spec.stats.accepted_tokens > 0
     assert g.buckets[0].probes >= 1
