@@ -16,12 +16,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Where the CPU has AVX-512, the 8-bit product and replay tests run again capped to AVX2 (kernels/cpu/isa.py):
-# the kernels of AVX2-only CPUs, which the first run leaves out there.
+# Where the CPU has AVX-512, the 8-bit product, replay, kernel and batching tests run again capped to AVX2
+# (kernels/cpu/isa.py): the kernels of AVX2-only CPUs, which the first run leaves out there (the batching
+# tests are what show that a prompt in chunks, or beside others, gets what one pass gives there too).
 test: install
 	$(PY) -m pytest -q
 	if $(PY) -c "import sys; from kernels.cpu import isa; sys.exit(not isa.has('avx512f'))"; then \
-	  TS_MAX_CPU_ISA=avx2 $(PY) -m pytest -q tests/test_int8_matmul.py tests/test_graph_replay.py tests/test_kernels.py; fi
+	  TS_MAX_CPU_ISA=avx2 $(PY) -m pytest -q tests/test_int8_matmul.py tests/test_graph_replay.py tests/test_kernels.py \
+	    tests/test_batching.py; fi
 
 test-all: install
 	$(PY) -m pytest -q -m ''

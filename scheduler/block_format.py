@@ -15,7 +15,8 @@ tens of megabytes on the request's critical path); the stores are the operator's
 `decode` accepts a value only if it checks out against what this server would have written:
 anything else (another model, codec, block size or format version, a truncated value, a flipped
 byte, token ids that do not hash to the block's hash) raises `BlockRejected`, which the stores
-count as a miss, never an error for the request.
+count as a miss, never an error for the request. Values that are not finite (a block saved from a
+pass that overflowed) are refused by the worker at import; `holds_nonfinite` finds the block.
 """
 from __future__ import annotations
 
@@ -83,13 +84,27 @@ class KVBlock:
     block_hash: bytes
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
-    layers: tuple[np.ndarray, ...]         # each [2, kv_heads, block_size, head_dim]
+    payload: bytes | memoryview            # every layer's [2, kv_heads, block_size, width], layer after layer
+
+    @classmethod
+    def from_layers(cls, geometry: Geometry, block_hash: bytes, parent_hash: bytes | None,
+                    token_ids: tuple[int, ...], layers) -> "KVBlock":
+        if len(layers) != geometry.n_layers or any(tuple(a.shape) != geometry.layer_shape for a in layers):
+            raise ValueError(f"a block of {geometry.n_layers} layers shaped {geometry.layer_shape} was expected")
+        payload = b"".join(np.ascontiguousarray(a, dtype=geometry.dtype).tobytes() for a in layers)
+        return cls(geometry, block_hash, parent_hash, tuple(token_ids), payload)
+
+    @property
+    def layers(self) -> tuple[np.ndarray, ...]:
+        """Read-only views of the payload, one [2, kv_heads, block_size, width] array a layer."""
+        g = self.geometry
+        return tuple(np.frombuffer(self.payload, dtype=g.dtype).reshape(g.n_layers, *g.layer_shape))
 
 
 def encode(block: KVBlock) -> bytes:
     g = block.geometry
-    if len(block.layers) != g.n_layers or any(a.shape != g.layer_shape for a in block.layers):
-        raise ValueError(f"a block of {g.n_layers} layers shaped {g.layer_shape} was expected")
+    if memoryview(block.payload).nbytes != g.payload_bytes:
+        raise ValueError(f"a payload of {g.payload_bytes} bytes was expected, got {memoryview(block.payload).nbytes}")
     if len(block.token_ids) != g.block_size:
         raise ValueError(f"a full block holds {g.block_size} token ids, got {len(block.token_ids)}")
     header = json.dumps({
@@ -97,8 +112,7 @@ def encode(block: KVBlock) -> bytes:
         "kv_heads": g.kv_heads, "head_dim": g.head_dim, "hash": block.block_hash.hex(),
         "parent": block.parent_hash.hex() if block.parent_hash is not None else None,
         "token_ids": [int(t) for t in block.token_ids]}, separators=(",", ":")).encode()
-    payload = b"".join(np.ascontiguousarray(a, dtype=g.dtype).tobytes() for a in block.layers)
-    body = _PREFIX.pack(MAGIC, VERSION, len(header)) + header + payload
+    body = b"".join((_PREFIX.pack(MAGIC, VERSION, len(header)), header, block.payload))
     return body + xxhash.xxh3_128_digest(body)
 
 
@@ -135,16 +149,17 @@ def decode(value: bytes, expect: Geometry) -> KVBlock:
     payload = body[_PREFIX.size + header_len:]
     if len(payload) != expect.payload_bytes:
         raise BlockRejected(f"payload of {len(payload)} bytes, the geometry needs {expect.payload_bytes}")
-    flat = np.frombuffer(payload, dtype=expect.dtype).reshape(expect.n_layers, *expect.layer_shape)
-    if not np.isfinite(_float_values(flat, expect.codec)).all():
-        raise BlockRejected("its K/V hold NaN or infinity")
-    return KVBlock(expect, digest, parent, token_ids, tuple(flat))
+    # whether the values are finite is the worker's check, on every import (one pass over the
+    # float bits, where numpy here would take a pass per block); `holds_nonfinite` then tells
+    # which stored block it was
+    return KVBlock(expect, digest, parent, token_ids, payload)
 
 
-def _float_values(flat: np.ndarray, codec: str) -> np.ndarray:
-    """The payload's floats: every value, or each quantized block's float16 scale (its codes are
-    integers)."""
-    if codec not in QUANTIZED_BLOCK_BYTES:
-        return flat
-    blocks = flat.reshape(-1, QUANTIZED_BLOCK_BYTES[codec])
-    return np.ascontiguousarray(blocks[:, :2]).view("<f2")
+def holds_nonfinite(block: KVBlock) -> bool:
+    """Whether a block's K/V hold NaN or infinity: any value (f32, f16), or any quantized block's
+    float16 scale (its codes are integers)."""
+    g = block.geometry
+    flat = np.frombuffer(block.payload, dtype=g.dtype)
+    if g.codec in QUANTIZED_BLOCK_BYTES:
+        flat = np.ascontiguousarray(flat.reshape(-1, QUANTIZED_BLOCK_BYTES[g.codec])[:, :2]).view("<f2")
+    return not bool(np.isfinite(flat).all())

@@ -103,13 +103,7 @@ class CheckpointTier:
             if not found:
                 return 0
             manager.grow(table, len(found) * manager.block_size)
-            try:
-                self.load(table, found)
-            except WorkerFailure as exc:
-                if exc.code != grpc.StatusCode.INVALID_ARGUMENT:
-                    raise                            # the worker is gone: the engine loop handles it
-                log.warning("the worker refused restored KV blocks (%s); they are recomputed", exc)
-                return 0
+            found = self._import(manager, table, found)
             for block_id, f in zip(table, found):
                 manager.register(block_id, f.block.block_hash, f.block.parent_hash, f.block.token_ids)
             self.stats.restored_bytes += sum(len(f.value) for f in found)
@@ -118,6 +112,27 @@ class CheckpointTier:
         finally:
             manager.free(table)
             manager.free(hold)
+
+    def _import(self, manager: BlockManager, table: list[int], found: list[Found]) -> list[Found]:
+        """Loads `found` into `table`'s blocks; what the worker took (a block whose values are not
+        finite is rejected and the blocks before it are loaded again; the rest is recomputed)."""
+        for _ in range(2):
+            try:
+                self.load(table, found)
+                return found
+            except WorkerFailure as exc:
+                if exc.code != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise                            # the worker is gone: the engine loop handles it
+                usable = self.checkpoints.reject_nonfinite(found)
+                if usable == len(found):
+                    log.warning("the worker refused restored KV blocks (%s); they are recomputed", exc)
+                    usable = 0
+                found = found[:usable]
+                manager.free(table[usable:])
+                del table[usable:]
+                if not found:
+                    return []
+        return []
 
     def save_prompt_blocks(self, manager: BlockManager, seq: Sequence, full: int) -> None:
         """Hands `seq`'s full prompt blocks computed so far (the first `full` blocks are) to the
@@ -216,10 +231,10 @@ class CheckpointTier:
             for i, missing in enumerate(lacking):
                 if not missing:
                     self._remember(job.hashes[i])
-            layers = None
+            kv = None
             if wanted:
                 try:
-                    layers = self.worker.export_blocks([job.block_ids[i] for i in wanted])
+                    kv = self.worker.export_blocks([job.block_ids[i] for i in wanted])
                 except Exception as exc:       # the worker went away: the engine is being replaced
                     self.stats.save_failures += 1
                     log.debug("exporting blocks for a checkpoint failed: %s", exc)
@@ -227,9 +242,9 @@ class CheckpointTier:
                 self.stats.exported_blocks += len(wanted)
         finally:
             self._release(job.held)
-        if layers is None or self._closed:
+        if kv is None or self._closed:
             return
-        values = self.checkpoints.encode(layers, [job.hashes[i] for i in wanted], [job.parents[i] for i in wanted],
+        values = self.checkpoints.encode(kv, [job.hashes[i] for i in wanted], [job.parents[i] for i in wanted],
                                          [job.token_ids[i] for i in wanted])
         for i, (digest, value) in zip(wanted, values):
             results = [store.put(digest, value) for store in lacking[i]]

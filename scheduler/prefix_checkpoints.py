@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from scheduler.block_format import BlockRejected, Geometry, KVBlock, decode, encode
+from scheduler.block_format import BlockRejected, Geometry, KVBlock, decode, encode, holds_nonfinite
 from scheduler.block_stores.base import BlockStore
 
 log = logging.getLogger(__name__)
@@ -46,18 +46,18 @@ class PrefixCheckpoints:
              token_ids: Sequence[Sequence[int]]) -> int:
         """Exports the blocks from `worker` (a WorkerClient) and writes each to every store;
         returns how many blocks at least one store took."""
-        layers = worker.export_blocks(list(block_ids))
-        values = self.encode(layers, hashes, parents, token_ids)
+        kv = worker.export_blocks(list(block_ids))
+        values = self.encode(kv, hashes, parents, token_ids)
         return sum(any([store.put(digest, value) for store in self.stores]) for digest, value in values)
 
-    def encode(self, layers: Sequence[np.ndarray], hashes: Sequence[bytes], parents: Sequence[bytes | None],
+    def encode(self, kv: np.ndarray, hashes: Sequence[bytes], parents: Sequence[bytes | None],
                token_ids: Sequence[Sequence[int]]) -> list[tuple[bytes, bytes]]:
-        """(hash, stored value) of each exported block (`layers`: one [2, kv_heads, blocks, ...]
-        array a layer, as ExportBlocks gives them)."""
+        """(hash, stored value) of each exported block (`kv`: [blocks, layers, 2, kv_heads,
+        block_size, width], as ExportBlocks gives them: block i's slice is its payload)."""
         values = []
         for i, digest in enumerate(hashes):
             block = KVBlock(self.geometry, digest, parents[i], tuple(int(t) for t in token_ids[i]),
-                            tuple(np.ascontiguousarray(a[:, :, i]) for a in layers))
+                            np.ascontiguousarray(kv[i], dtype=self.geometry.dtype).reshape(-1).view(np.uint8).data)
             values.append((digest, encode(block)))
         return values
 
@@ -82,11 +82,23 @@ class PrefixCheckpoints:
         return found
 
     def restore(self, worker, block_ids: Sequence[int], blocks: Sequence[KVBlock]) -> None:
-        """Imports found blocks into the given (free) blocks of `worker`'s pool."""
+        """Imports found blocks into the given (free) blocks of `worker`'s pool: their stored
+        payloads, back to back, are the block-major array ImportBlocks takes."""
         if not blocks:
             return
-        layers = [np.stack([b.layers[layer] for b in blocks], axis=2) for layer in range(self.geometry.n_layers)]
-        worker.import_blocks(list(block_ids), layers)
+        g = self.geometry
+        worker.import_blocks(list(block_ids), [b.payload for b in blocks], g.dtype,
+                             (len(blocks), g.n_layers, *g.layer_shape))
+
+    def reject_nonfinite(self, found: Sequence[Found]) -> int:
+        """After the worker refused found blocks: rejects (and removes from their store) those
+        whose K/V are not finite; returns how many of the first blocks are usable."""
+        usable = len(found)
+        for i, f in enumerate(found):
+            if holds_nonfinite(f.block):
+                self._reject(self.stores[f.store], f.block.block_hash, "its K/V hold NaN or infinity")
+                usable = min(usable, i)
+        return usable
 
     def _check(self, store: BlockStore, digest: bytes, value: bytes) -> KVBlock | None:
         try:

@@ -79,6 +79,7 @@ class WorkerClient:
         self.transport = resolve_transport(transport, address)
         self.codec: TensorCodec | None = None
         self._codecs: list[TensorCodec] = []
+        self._import_codec: TensorCodec | None = None
         self.description: worker_pb2.DescribeResponse | None = None
         self._step_id = 0
         self._stream = None                  # the StepStream call, opened by the first step
@@ -102,9 +103,9 @@ class WorkerClient:
         if self.transport == "shm" and setting in (None, "auto") and d.hostname \
                 and d.hostname != socket.gethostname():
             self.transport = "inline"
-        for codec in self._codecs:
+        for codec in self._codecs + ([self._import_codec] if self._import_codec else []):
             codec.close()
-        self._codecs = [TensorCodec(self.transport), TensorCodec(self.transport)]
+        self._codecs, self._import_codec = [TensorCodec(self.transport), TensorCodec(self.transport)], None
         self.codec = self._codecs[0]
         self.description = d
         return d
@@ -206,8 +207,9 @@ class WorkerClient:
             return False
 
     # ------------------------------------------------------------------ KV blocks (prefix checkpoints)
-    def export_blocks(self, block_ids: list[int], timeout_s: float = 60.0) -> list[np.ndarray]:
-        """The K/V of the blocks, one [2, kv_heads, blocks, block_size, head_dim] array a layer (copies)."""
+    def export_blocks(self, block_ids: list[int], timeout_s: float = 60.0) -> np.ndarray:
+        """A copy of the blocks' K/V: [blocks, layers, 2, kv_heads, block_size, width] (block i's
+        slice is its stored payload)."""
         try:
             reply = self.stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
                 blocks=worker_pb2.BlockRange(block_ids=block_ids)), timeout=timeout_s,
@@ -216,20 +218,25 @@ class WorkerClient:
             raise self._failure(exc) from None
         reader = TensorCodec("inline")
         try:
-            return [reader.decode(t).copy() for t in reply.layers]
+            return reader.decode(reply.kv).copy()
         finally:
             reader.close()
 
-    def import_blocks(self, block_ids: list[int], layers: list[np.ndarray], timeout_s: float = 60.0) -> None:
-        codec = TensorCodec(self.transport)
+    def import_blocks(self, block_ids: list[int], payloads: list, dtype, shape: tuple[int, ...],
+                      timeout_s: float = 60.0) -> None:
+        """Writes blocks' K/V, given as their stored payloads in order (the block-major array of
+        `shape`), into the pool's `block_ids`. One shared-memory arena is kept for imports: a
+        restore writes into memory the worker has already mapped."""
+        if self._import_codec is None:
+            self._import_codec = TensorCodec(self.transport)
+        codec = self._import_codec
+        codec.begin_message()
         try:
             self.stub.ImportBlocks(worker_pb2.ImportBlocksRequest(
-                blocks=worker_pb2.BlockRange(block_ids=block_ids), layers=[codec.encode(a) for a in layers]),
+                blocks=worker_pb2.BlockRange(block_ids=block_ids), kv=codec.encode_parts(payloads, dtype, shape)),
                 timeout=timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise self._failure(exc) from None
-        finally:
-            codec.close()
 
     def _failure(self, exc: grpc.RpcError) -> WorkerFailure:
         return WorkerFailure(f"worker {self.address} failed: {_rpc_error_text(exc)} (restart the worker)",
@@ -242,7 +249,7 @@ class WorkerClient:
         try:
             self.channel.close()
         finally:
-            for codec in self._codecs:
+            for codec in self._codecs + ([self._import_codec] if self._import_codec else []):
                 codec.close()
-            self._codecs = []
+            self._codecs, self._import_codec = [], None
             self.codec = None

@@ -47,6 +47,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import _posixshmem
 import numpy as np
@@ -272,6 +273,26 @@ class ShmArena:
             del dst                      # no export may outlive this call: reset() closes the mmap
         self._offset = end
         return TensorRef(self._name, start, arr.dtype.str, tuple(int(d) for d in arr.shape))
+
+    def put_parts(self, parts: Sequence, dtype, shape: tuple[int, ...]) -> TensorRef:
+        """One array written from buffers laid end to end (e.g. stored values' payloads), with no
+        joined copy on the way: `parts` must hold exactly the array's bytes."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if sum(memoryview(p).nbytes for p in parts) != nbytes:
+            raise ValueError(f"the parts hold {sum(memoryview(p).nbytes for p in parts)} bytes, "
+                             f"an array of {shape} {dtype} needs {nbytes}")
+        start = -(-self._offset // ALIGN) * ALIGN
+        if self._mm is None or start + nbytes > len(self._mm):
+            self._grow(start + nbytes if self._mm is not None else nbytes)
+            start = 0
+        at = start
+        for part in parts:
+            view = memoryview(part).cast("B")
+            self._mm[at:at + view.nbytes] = view
+            at += view.nbytes
+        self._offset = start + nbytes
+        return TensorRef(self._name, start, dtype.str, tuple(int(d) for d in shape))
 
     def _grow(self, needed: int) -> None:
         size = max(self.initial_bytes, needed, 2 * self.capacity)

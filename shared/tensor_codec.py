@@ -94,6 +94,22 @@ class TensorCodec:
             t.shape[:] = arr.shape
             t.data = arr.tobytes()
 
+    def encode_parts(self, parts, dtype, shape: tuple[int, ...]) -> common_pb2.Tensor:
+        """An array given as buffers laid end to end: written into shared memory part by part,
+        or joined once for an inline message."""
+        out = common_pb2.Tensor()
+        dtype = np.dtype(dtype)
+        if self.transport == "shm" and math.prod(shape) * dtype.itemsize >= self.shm_min_bytes:
+            ref = self.arena.put_parts(parts, dtype, shape)
+            r = out.ref
+            r.shm_name, r.offset, r.dtype = ref.shm_name, ref.offset, ref.dtype
+            r.shape[:] = ref.shape
+        else:
+            t = out.inline_tensor
+            t.dtype, t.data = dtype.str, b"".join(parts)
+            t.shape[:] = shape
+        return out
+
     def encode(self, array) -> common_pb2.Tensor:
         out = common_pb2.Tensor()
         self.encode_into(array, out)

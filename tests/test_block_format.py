@@ -23,7 +23,7 @@ def make_block(seed: int = 0, parent: bytes | None = None, geometry: Geometry = 
     rng = np.random.default_rng(seed)
     tokens = tuple(int(t) for t in rng.integers(0, 50000, geometry.block_size))
     layers = tuple(rng.standard_normal(geometry.layer_shape).astype(geometry.dtype) for _ in range(geometry.n_layers))
-    return KVBlock(geometry, block_hash(geometry.fingerprint.encode(), parent, tokens), parent, tokens, layers)
+    return KVBlock.from_layers(geometry, block_hash(geometry.fingerprint.encode(), parent, tokens), parent, tokens, layers)
 
 
 def test_round_trip_bit_for_bit_and_the_hash_is_the_schedulers():

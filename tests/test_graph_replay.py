@@ -75,8 +75,7 @@ def test_replayed_decode_steps_equal_the_kernels(model, rows, engines):
 def test_a_decode_rows_logits_do_not_depend_on_its_batch(model, engines):
     """A sequence's decode row gives the same logits and K/V, bit for bit, replayed alone and in a
     pass of 6 decode rows (more than a replay takes: kernel by kernel, in 8-bit products on AVX2
-    too, where passes of more than 4 rows once went to sgemm's float32 and moved logits by ~1e-2;
-    there, a model whose codes mostly take the sign trick still does: Gemma 3)."""
+    too, where passes of more than 4 rows once went to sgemm's float32 and moved logits by ~1e-2)."""
     runner = engines(model).runner
     ops = runner.ops
     if not ops.decode_batches_in_int8:

@@ -240,7 +240,7 @@ def test_backend_keeps_the_byte_codes(monkeypatch):
     ops.plan_weights({int(T.Q8_0), int(T.Q4_1)})
     w = ops.prepare_weight(dense, [(raw, T.Q8_0, shape)])
     assert w.int8 is not None and w.codes is None
-    assert (w.dense is None) == int8_matmul.VNNI       # AVX2: float32 kept for sgemm on a prompt's rows
+    assert w.dense is None                             # the 8-bit kernel takes every product
     x = rng.standard_normal((12, shape[1])).astype(np.float32)
     ops.begin_pass(12)
     np.testing.assert_allclose(ops.matmul(x, w), x @ dense.T, rtol=0, atol=2e-4 * np.abs(x @ dense.T).max())
@@ -250,26 +250,22 @@ def test_backend_keeps_the_byte_codes(monkeypatch):
     assert CPUBackend(quantized_matmul=True).int8_allowed
 
 
-def test_decode_batches_stay_in_8_bits_unless_most_codes_take_the_sign_trick():
-    """Decode passes of more than 4 rows take the 8-bit products with VNNI, and on AVX2 while less
-    than half of the code bytes are signed codes (the sign trick is slower than sgemm on 32 rows)."""
+def test_every_pass_takes_the_8_bit_products_where_the_matrices_have_them():
+    """Decode passes of any size and prompts alike (VNNI and AVX2): each row is computed the same
+    way whatever rows share its pass, the sign trick's codes included."""
     rng = np.random.default_rng(8)
     ops = CPUBackend(quantized_matmul=True, int8=True)
     ops.plan_weights({int(T.Q4_K), int(T.Q8_0)})
     assert ops.int8_matmul
-    q4 = random_tensor("Q4_K", 64, 256, rng)
-    assert ops.prepare_weight(dequantize(q4, T.Q4_K, (64, 256)), [(q4, T.Q4_K, (64, 256))]).int8.run != 0 \
-        or int8_matmul.VNNI
-    assert ops.decode_batches_in_int8
-    ops.begin_pass(32, decode=True)
-    assert ops._compiled_pass
-    q8 = random_tensor("Q8_0", 128, 256, rng)        # full-range codes: signed on AVX2, twice Q4_K's bytes
+    q8 = random_tensor("Q8_0", 128, 256, rng)        # full-range codes: signed on AVX2
     w8 = ops.prepare_weight(dequantize(q8, T.Q8_0, (128, 256)), [(q8, T.Q8_0, (128, 256))])
-    assert w8.int8.run == 0
-    assert ops.decode_batches_in_int8 == int8_matmul.VNNI
-    ops.begin_pass(32, decode=True)
-    assert ops._compiled_pass == int8_matmul.VNNI
-    ops.begin_pass(4, decode=True)                   # few rows: 8-bit products everywhere
-    assert ops._compiled_pass
-    ops.begin_pass(32, decode=False)                 # a prompt's rows: sgemm on AVX2
-    assert ops._compiled_pass == int8_matmul.VNNI
+    assert w8.int8 is not None and w8.dense is None
+    assert ops.decode_batches_in_int8
+    for rows, decode in ((32, True), (4, True), (32, False), (512, False)):
+        ops.begin_pass(rows, decode=decode)
+        assert ops._compiled_pass
+    x = rng.standard_normal((53, 256)).astype(np.float32)
+    ops.begin_pass(53)
+    full = ops.matmul(x, w8)
+    ops.begin_pass(5)
+    np.testing.assert_array_equal(ops.matmul(x[48:], w8), full[48:])

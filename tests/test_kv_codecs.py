@@ -127,55 +127,61 @@ def small_pool(codec: str, num_blocks: int = 6):
 
 @pytest.mark.parametrize("codec", ["f16", "q8_0", "q4_0"])
 def test_blocks_export_and_import_as_their_own_bytes(codec):
-    """ExportBlocks gives each layer's blocks in the codec's layout (float16 values, or the ggml blocks'
-    bytes); the block format carries them whole; ImportBlocks into another pool restores every byte."""
+    """ExportBlocks gives the blocks block-major in the codec's layout (float16 values, or the ggml
+    blocks' bytes): block i's slice is the block format's payload, carried whole; ImportBlocks of
+    the stored payloads into another pool restores every byte."""
     from scheduler.block_format import Geometry, KVBlock, decode, encode
+    from scheduler.block_manager import block_hash
     from worker import block_transfer
     rng = np.random.default_rng(5)
     source, target = small_pool(codec), small_pool(codec, 9)
     for k_cache, v_cache in source.caches:
         x = (rng.standard_normal((2, 96, 2, 64))).astype(np.float32)
         source.ops.store_kv(k_cache, v_cache, x[0], x[1], np.arange(96))
-    layers = block_transfer.export_blocks(source, [4, 1])
+    kv = block_transfer.export_blocks(source, [4, 1])
     width = 64 if codec == "f16" else kv_codecs.row_bytes(codec, 64)
-    assert layers[0].shape == (2, 2, 2, 16, width) == block_transfer.layer_shape(source, 2)
-    assert layers[0].dtype == (np.float16 if codec == "f16" else np.uint8)
+    assert kv.shape == (2, 3, 2, 2, 16, width) == block_transfer.packed_shape(source, 2)
+    assert kv.dtype == (np.float16 if codec == "f16" else np.uint8)
     assert block_transfer.pool_dtype_name(source) == codec
 
     geometry = Geometry("fp", codec, 16, 3, 2, 64)
-    assert geometry.payload_bytes == 3 * 2 * 2 * 16 * kv_codecs.row_bytes(codec, 64)
-    from scheduler.block_manager import block_hash
-    tokens = tuple(range(16))
-    digest = block_hash(b"fp", None, tokens)
-    value = encode(KVBlock(geometry, digest, None, tokens, tuple(np.ascontiguousarray(a[:, :, 0]) for a in layers)))
-    restored = decode(value, geometry)
-    block_transfer.import_blocks(target, [7], [a[:, :, None] for a in restored.layers])
+    assert geometry.payload_bytes == 3 * 2 * 2 * 16 * kv_codecs.row_bytes(codec, 64) == kv[0].nbytes
+    values = []
+    for i, tokens in enumerate((tuple(range(16)), tuple(range(16, 32)))):
+        values.append(encode(KVBlock(geometry, block_hash(b"fp", None, tokens), None, tokens, kv[i].tobytes())))
+    restored = [decode(v, geometry) for v in values]
+    packed = np.frombuffer(b"".join(bytes(b.payload) for b in restored), kv.dtype).reshape(kv.shape)
+    block_transfer.import_blocks(target, [7, 2], packed)
     for (k_src, v_src), (k_dst, v_dst) in zip(source.caches, target.caches):
-        np.testing.assert_array_equal(kv_codecs.raw(k_dst[:, 7]), kv_codecs.raw(k_src[:, 4]))
-        np.testing.assert_array_equal(kv_codecs.raw(v_dst[:, 7]), kv_codecs.raw(v_src[:, 4]))
+        for src, dst in ((4, 7), (1, 2)):
+            np.testing.assert_array_equal(kv_codecs.raw(k_dst[:, dst]), kv_codecs.raw(k_src[:, src]))
+            np.testing.assert_array_equal(kv_codecs.raw(v_dst[:, dst]), kv_codecs.raw(v_src[:, src]))
 
 
-@pytest.mark.parametrize("codec", ["q8_0", "q4_0"])
-def test_quantized_blocks_with_a_nan_scale_are_refused(codec):
-    from scheduler.block_format import BlockRejected, Geometry, KVBlock, decode, encode
+@pytest.mark.parametrize("codec", ["f16", "q8_0", "q4_0"])
+def test_blocks_with_a_value_or_scale_not_finite_are_refused(codec):
+    from scheduler.block_format import BlockRejected, Geometry, KVBlock, decode, encode, holds_nonfinite
     from scheduler.block_manager import block_hash
     from worker import block_transfer
     pool = small_pool(codec)
-    layers = block_transfer.export_blocks(pool, [0])
-    bad = layers[0].copy()
-    bad[1, 0, 0, 3, :2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)   # a block's scale
+    kv = block_transfer.export_blocks(pool, [0])
+    bad = kv.copy()
+    at = 6 if codec == "f16" else kv_codecs.DTYPES[kv_codecs.number(codec)].itemsize   # a value / a row's 2nd scale
+    bad.view(np.uint8)[0, 1, 0, 0, 3, at:at + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    before = [kv_codecs.raw(k[:, 2]).copy() for k, _ in pool.caches]
     with pytest.raises(block_transfer.BlockTransferError, match="NaN"):
-        block_transfer.import_blocks(pool, [2], [bad] + layers[1:])
+        block_transfer.import_blocks(pool, [2], bad)
+    assert all(np.array_equal(kv_codecs.raw(k[:, 2]), b) for (k, _), b in zip(pool.caches, before))  # nothing written
     with pytest.raises(block_transfer.BlockTransferError, match="dtype"):
-        block_transfer.import_blocks(pool, [2], [layers[0].view(np.int8)] + layers[1:])
+        block_transfer.import_blocks(pool, [2], kv.astype(np.float32 if codec == "f16" else np.int8))
     geometry = Geometry("fp", codec, 16, 3, 2, 64)
     tokens = tuple(range(16))
-    value = encode(KVBlock(geometry, block_hash(b"fp", None, tokens), None, tokens,
-                           (bad[:, :, 0],) + tuple(a[:, :, 0] for a in layers[1:])))
-    with pytest.raises(BlockRejected, match="NaN"):
-        decode(value, geometry)
+    value = encode(KVBlock(geometry, block_hash(b"fp", None, tokens), None, tokens, bad[0].tobytes()))
+    assert holds_nonfinite(decode(value, geometry))
+    assert not holds_nonfinite(decode(encode(KVBlock(geometry, block_hash(b"fp", None, tokens), None, tokens,
+                                                     kv[0].tobytes())), geometry))
     with pytest.raises(BlockRejected, match="codec"):
-        decode(value, Geometry("fp", "f16", 16, 3, 2, 64))
+        decode(value, Geometry("fp", "f16" if codec != "f16" else "q8_0", 16, 3, 2, 64))
 
 
 def test_bytes_per_block_counts_the_codecs_bytes():

@@ -73,7 +73,7 @@ def test_a_corrupted_stored_block_is_a_miss(tmp_path):
     from scheduler.block_format import encode
     store = DirectoryStore(GEOMETRY.fingerprint, tmp_path, max_bytes=2**20)
     good, bad = make_block(1), make_block(2)
-    bad = type(bad)(bad.geometry, bad.block_hash, good.block_hash, bad.token_ids, bad.layers)
+    bad = type(bad)(bad.geometry, bad.block_hash, good.block_hash, bad.token_ids, bad.payload)
     store.put(good.block_hash, encode(good))
     value = bytearray(encode(bad))
     value[100] ^= 0xFF
@@ -81,3 +81,46 @@ def test_a_corrupted_stored_block_is_a_miss(tmp_path):
     checkpoints = PrefixCheckpoints([store], GEOMETRY)
     assert [b.block_hash for b in checkpoints.find([good.block_hash, bad.block_hash])] == [good.block_hash]
     assert sum(checkpoints.rejected.values()) == 1
+
+
+def test_a_stored_block_whose_values_are_not_finite_is_rejected_at_import(tmp_path):
+    """A value that checks out (checksum, hash, geometry) but carries NaN K/V, as a pass that
+    overflowed would have saved it: the worker refuses the import, the tier rejects that block,
+    removes it from its store and restores the blocks before it; the rest is recomputed."""
+    import dataclasses
+
+    from scheduler.block_format import encode
+    from scheduler.block_manager import BlockManager
+    from scheduler.checkpoint_tier import CheckpointTier
+    from scheduler.sequence import Sequence
+    from shared.sampling_params import SamplingParams
+    proc, address = start_worker(tmp_path, name="nan")
+    client = WorkerClient(address)
+    tier = None
+    try:
+        geometry = geometry_of(client.describe())
+        store = DirectoryStore(geometry.fingerprint, tmp_path / "checkpoints", max_bytes=2**30)
+        _first_token(client, StepRequest([chunk(1, PROMPT, 0, [0, 1, 2, 3], len(PROMPT))]))
+        manager = BlockManager(64, geometry.block_size, fingerprint=geometry.fingerprint)
+        seq = Sequence(list(PROMPT), SamplingParams())
+        hashes = manager.extend_hashes(seq.block_hashes, seq.tokens, 3)
+        checkpoints = PrefixCheckpoints([store], geometry)
+        pieces = [PROMPT[16 * i:16 * (i + 1)] for i in range(3)]
+        assert checkpoints.save(client, [0, 1, 2], hashes, [None, hashes[0], hashes[1]], pieces) == 3
+        second = checkpoints.find(hashes)[1]
+        payload = np.frombuffer(second.payload, np.uint8).copy()
+        payload.view(geometry.dtype)[5] = np.nan
+        store.discard(second.block_hash)
+        assert store.put(second.block_hash, encode(dataclasses.replace(second, payload=payload.data)))
+        assert len(checkpoints.find(hashes)) == 3              # it checks out: only the worker can tell
+
+        tier = CheckpointTier(checkpoints, client)
+        assert tier.restore_into_pool(manager, seq, [], 3) == 1
+        assert checkpoints.rejected == {"its K/V hold NaN or infinity": 1}
+        assert not store.contains(hashes[1]) and store.contains(hashes[0]) and store.contains(hashes[2])
+        assert manager.lookup(hashes) == manager.lookup(hashes[:1]) and len(manager.lookup(hashes)) == 1
+    finally:
+        if tier is not None:
+            tier.close()
+        client.close()
+        assert stop(proc) == 0

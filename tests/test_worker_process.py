@@ -266,12 +266,12 @@ def test_exported_blocks_imported_elsewhere_continue_the_prompt_exactly(worker, 
     exported = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[20, 21])),
                                  timeout=30, metadata=md)
     kind = "ref" if transport == "shm" else "inline_tensor"
-    assert exported.layers and all(t.WhichOneof("storage") == kind for t in exported.layers)
+    assert exported.kv.WhichOneof("storage") == kind
     reader = TensorCodec("inline")
-    layers = [reader.decode(t) for t in exported.layers]
-    assert layers[0].shape[:3] == (2, layers[0].shape[1], 2) and layers[0].dtype == np.float16
+    kv = reader.decode(exported.kv)
+    assert kv.shape[:3] == (2, kv.shape[1], 2) and kv.dtype == np.float16      # blocks, layers, K/V
     stub.ImportBlocks(worker_pb2.ImportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[30, 31]),
-                                                     layers=[reader.encode(x) for x in layers]), timeout=30)
+                                                     kv=reader.encode(kv)), timeout=30)
     b_chunk = chunk(122, prompt[32:], 32, [30, 31, 32], len(prompt))
     b_chunk.prefix_ids = np.asarray(prompt[:32], np.int64)
     b = step_result_from_proto(stub.Step(step_request_to_proto(StepRequest([b_chunk])), timeout=30)).results[0]
@@ -283,22 +283,20 @@ def test_block_transfers_that_do_not_fit_are_invalid_argument(worker):
     _, address, stub = worker
     exported = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[1])),
                                  timeout=30)
-    good = list(exported.layers)
     reader = TensorCodec("inline")
-    first = reader.decode(good[0])
+    good = reader.decode(exported.kv)
+    one = worker_pb2.BlockRange(block_ids=[5])
     cases = [
         (stub.ExportBlocks, worker_pb2.ExportBlocksRequest(), "no block ids"),
         (stub.ExportBlocks, worker_pb2.ExportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[10**6])), "outside"),
-        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[5]),
-                                                           layers=good[:-1]), "layer arrays"),
+        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(blocks=one, kv=reader.encode(good[:, :-1])), "shape"),
         (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(blocks=worker_pb2.BlockRange(block_ids=[5, 6]),
-                                                           layers=good), "shape"),
-        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(
-            blocks=worker_pb2.BlockRange(block_ids=[5]),
-            layers=[reader.encode(first.astype(np.float64))] + good[1:]), "dtype"),
-        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(
-            blocks=worker_pb2.BlockRange(block_ids=[5]),
-            layers=[reader.encode(np.full_like(first, np.nan))] + good[1:]), "NaN"),
+                                                           kv=exported.kv), "shape"),
+        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(blocks=one, kv=reader.encode(good.astype(np.float64))),
+         "dtype"),
+        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(blocks=one, kv=reader.encode(np.full_like(good, np.nan))),
+         "NaN"),
+        (stub.ImportBlocks, worker_pb2.ImportBlocksRequest(blocks=one), "neither"),
     ]
     for call, request, words in cases:
         with pytest.raises(grpc.RpcError) as info:

@@ -1,10 +1,13 @@
 """KV blocks out of the pool and back in (`ExportBlocks` / `ImportBlocks`), for prefix
-checkpoints: the K and V of a list of blocks, every layer, one array a layer shaped
-[2 (K, V), kv_heads, blocks, block_size, width] in the pool's codec: float16 values (width
-head_dim) for f16, the ggml blocks' bytes (uint8, width = a row's bytes) for q8_0 and q4_0
-(kernels/cpu/kv_codecs.py `wire`). The scheduler owns
-what the blocks mean (their hashes, tokens and the block format); the worker only copies bytes,
-after checking that they fit its pool."""
+checkpoints: the K and V of a list of blocks, every layer, as one array shaped
+[blocks, layers, 2 (K, V), kv_heads, block_size, width] in the pool's codec: float16 values
+(width head_dim) for f16, the ggml blocks' bytes (uint8, width = a row's bytes) for q8_0 and
+q4_0 (kernels/cpu/kv_codecs.py `wire`). Block-major, so one block's K/V is one contiguous slice:
+the block format's payload as it is stored (a restore sends the stored payloads back to back,
+and an export's block i is the value to store). The scheduler owns what the blocks mean (their
+hashes, tokens and the block format); the worker only copies bytes, after checking that they
+fit its pool.
+"""
 from __future__ import annotations
 
 from typing import Sequence
@@ -37,35 +40,38 @@ def pool_dtype_name(pool: KVPool) -> str:
     return kv_codecs.name_of(pool.caches[0][0])
 
 
-def layer_shape(pool: KVPool, num_blocks: int) -> tuple[int, ...]:
+def packed_shape(pool: KVPool, num_blocks: int) -> tuple[int, ...]:
     k_cache, _ = pool.caches[0]
     kv_heads, _, block_size, _ = k_cache.shape
-    return 2, kv_heads, num_blocks, block_size, kv_codecs.wire(k_cache[:, :0]).shape[3]
+    width = kv_codecs.wire(k_cache[:, :0]).shape[3]
+    return num_blocks, len(pool.caches), 2, kv_heads, block_size, width
 
 
-def export_blocks(pool: KVPool, block_ids: Sequence[int]) -> list[np.ndarray]:
-    """Copies of the blocks' K/V, one array a layer (run on the model thread, between steps)."""
+def export_blocks(pool: KVPool, block_ids: Sequence[int]) -> np.ndarray:
+    """A copy of the blocks' K/V, block-major (run on the model thread, between steps)."""
     ids = check_block_ids(pool, block_ids)
-    return [kv_codecs.wire(np.stack([k_cache[:, ids], v_cache[:, ids]])) for k_cache, v_cache in pool.caches]
+    out = np.empty(packed_shape(pool, ids.size), kv_codecs.wire(pool.caches[0][0][:, :0]).dtype)
+    for layer, (k_cache, v_cache) in enumerate(pool.caches):
+        out[:, layer, 0] = kv_codecs.wire(k_cache[:, ids]).swapaxes(0, 1)
+        out[:, layer, 1] = kv_codecs.wire(v_cache[:, ids]).swapaxes(0, 1)
+    return out
 
 
-def import_blocks(pool: KVPool, block_ids: Sequence[int], layers: Sequence[np.ndarray]) -> None:
-    """Writes exported K/V into the given blocks; nothing is written unless every array fits."""
+def import_blocks(pool: KVPool, block_ids: Sequence[int], packed: np.ndarray) -> None:
+    """Writes exported K/V into the given blocks; nothing is written unless the array fits and
+    holds finite values (or block scales)."""
     ids = check_block_ids(pool, block_ids)
-    if len(layers) != len(pool.caches):
-        raise BlockTransferError(f"{len(layers)} layer arrays for a model of {len(pool.caches)} layers")
-    want = layer_shape(pool, ids.size)
+    want = packed_shape(pool, ids.size)
     codec = pool_dtype_name(pool)
     dtype = kv_codecs.wire(pool.caches[0][0][:, :0]).dtype
-    for i, array in enumerate(layers):
-        if tuple(array.shape) != want:
-            raise BlockTransferError(f"layer {i}: shape {tuple(array.shape)}, this pool takes {want} "
-                                     "(2, kv_heads, blocks, block_size, head_dim or a row's bytes)")
-        if array.dtype != dtype:
-            raise BlockTransferError(f"layer {i}: dtype {array.dtype}, this pool ({codec}) holds {dtype}")
-        if not kv_codecs.finite_scales(array, codec):
-            raise BlockTransferError(f"layer {i}: holds NaN or infinity")
-    for (k_cache, v_cache), array in zip(pool.caches, layers):
-        blocks = kv_codecs.from_wire(array, codec)
-        k_cache[:, ids] = blocks[0]
-        v_cache[:, ids] = blocks[1]
+    if tuple(packed.shape) != want:
+        raise BlockTransferError(f"blocks shaped {tuple(packed.shape)}, this pool takes {want} "
+                                 "(blocks, layers, 2, kv_heads, block_size, head_dim or a row's bytes)")
+    if packed.dtype != dtype:
+        raise BlockTransferError(f"dtype {packed.dtype}, this pool ({codec}) holds {dtype}")
+    if not kv_codecs.finite_scales(packed, codec):
+        raise BlockTransferError("the blocks hold NaN or infinity")
+    raw = np.ascontiguousarray(packed).view(np.uint8)        # the pool's bytes, whatever the codec
+    for layer, (k_cache, v_cache) in enumerate(pool.caches):
+        kv_codecs.raw(k_cache)[:, ids] = raw[:, layer, 0].swapaxes(0, 1)
+        kv_codecs.raw(v_cache)[:, ids] = raw[:, layer, 1].swapaxes(0, 1)

@@ -84,6 +84,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._last_step_id = 0           # steps run in the order the scheduler numbered them
         self._reader = ShmReader()
         self._decoder = TensorCodec("inline", reader=self._reader)   # decodes refs and inline alike
+        self._viewer = TensorCodec("inline", reader=self._reader, copy=False)
         self._inline = TensorCodec("inline")
         self._arenas: OrderedDict[tuple[str, int], ShmArena] = OrderedDict()
         self._closed = False
@@ -279,21 +280,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def ExportBlocks(self, request, context):
         """The K/V of the listed blocks, every layer; through shared memory to a peer on this host."""
         try:
-            layers = self._model_thread.submit(block_transfer.export_blocks, self.runner.kv,
-                                               list(request.blocks.block_ids)).result()
+            kv = self._model_thread.submit(block_transfer.export_blocks, self.runner.kv,
+                                           list(request.blocks.block_ids)).result()
         except block_transfer.BlockTransferError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ExportBlocks: {exc}")
         with self._transfer_lock:       # one export at a time writes the arena (valid until the next one)
             codec = self._transfer_codec(context)
             codec.begin_message()
-            return worker_pb2.ExportBlocksResponse(layers=[codec.encode(a) for a in layers])
+            return worker_pb2.ExportBlocksResponse(kv=codec.encode(kv))
 
     def ImportBlocks(self, request, context):
         """Writes exported K/V into the listed blocks, between steps; nothing on a mismatch."""
         try:
-            layers = [self._decoder.decode(t) for t in request.layers]
+            # a view of the sender's shared memory (it waits for this reply before reusing it):
+            # the pool is its only copy
+            kv = self._viewer.decode(request.kv)
             self._model_thread.submit(block_transfer.import_blocks, self.runner.kv, list(request.blocks.block_ids),
-                                      layers).result()
+                                      kv).result()
         except (block_transfer.BlockTransferError, ValueError, OSError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ImportBlocks: {exc}")
         return worker_pb2.ImportBlocksResponse()

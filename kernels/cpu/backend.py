@@ -65,7 +65,6 @@ class CPUBackend:
         self.int8_allowed = self.quantized_matmul and int8 and int8_matmul.available()
         self.int8_matmul = False        # set by plan_weights for a model whose every matrix has byte codes
         # AVX2: code bytes of the matrices that take the sign trick (Q8_0's, mostly), and of all
-        self._signed_code_bytes, self._code_bytes = 0, 0
         self._compiled_pass: bool | None = None     # set by begin_pass; None: decided per call
         self._rope_tables: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
         self._rope_rows_of: dict[tuple[float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -97,11 +96,8 @@ class CPUBackend:
     def products(self) -> str:
         """How this backend multiplies, for the worker's log."""
         if self._int8_everywhere:
-            return "8-bit integers (AVX-512 VNNI, TS_INT8_MATMUL=0 turns them off)"
-        if self.int8_matmul:
-            return ("8-bit integers (AVX2) for decode passes%s, float32 sgemm (OpenBLAS) for prompts "
-                    "(TS_INT8_MATMUL=0 turns the 8-bit products off)"
-                    % ("" if self.decode_batches_in_int8 else " of <= %d rows" % quantized.COMPILED_MAX_ROWS))
+            return "8-bit integers (%s, TS_INT8_MATMUL=0 turns them off)" % (
+                "AVX-512 VNNI" if int8_matmul.VNNI else "AVX2")
         if self.quantized_matmul:
             return "float32 sgemm (OpenBLAS), quantized codes for passes of <= %d rows" % quantized.COMPILED_MAX_ROWS
         return "float32 sgemm (OpenBLAS)"
@@ -112,34 +108,28 @@ class CPUBackend:
         than the pass (only those that need logits), and switching between the two thread pools
         inside a pass costs milliseconds while the other pool's threads spin. The runner calls it
         again for the logits product, the pass's last, by the rows it samples. When every matrix
-        has 8-bit codes no product uses OpenBLAS, and every pass is compiled. With AVX2's 8-bit
-        codes (kept beside sgemm's float32) only decode passes are compiled, of any size: a
-        prompt's rows all go through sgemm, so a prompt prefilled in chunks gets what one pass
-        gives (the 8-bit coding of a 4-token last chunk moved logits by ~1e-2), and a sequence's
-        decode rows are computed the same way whatever its batch. 32 decode rows of SmolLM2 took
-        about as long in 8-bit products as in sgemm with every weight in cache, but read a quarter
-        of the bytes, and attention and the element-wise work then run on both threads too: its
-        32-sequence batches ran 1.15x as fast (Zen 3 EPYC, paired in one process). A model whose
-        codes mostly take the sign trick keeps decode passes of more than 4 rows on sgemm
-        (decode_batches_in_int8)."""
+        has 8-bit codes (VNNI or AVX2) no product uses OpenBLAS, and every pass is compiled: each
+        row is then computed the same way whatever rows share its pass, so a prompt prefilled in
+        chunks, a prefix restored from a checkpoint and a batch of prompts get what one pass
+        alone gives. OpenBLAS's AVX2 sgemm kernels are not row-invariant (a row moves by an ulp
+        with the call's row count, and the float16 KV cache turns that into ~1e-3 in logits), so
+        AVX2 prompts no longer take sgemm even though it multiplies them faster (BENCHMARKS).
+        """
         self._compiled_pass = self._compiled_for(num_tokens, decode)
 
     @property
     def _int8_everywhere(self) -> bool:
-        return self.int8_matmul and int8_matmul.VNNI
+        return self.int8_matmul
 
     @property
     def decode_batches_in_int8(self) -> bool:
         """Whether decode passes of any size take the 8-bit products (each row then computed the
-        same way whatever its batch). On AVX2 only where less than half of the code bytes take the
-        sign trick, slower than the unsigned runs: SmolLM2 (21 %, its Q8_0 output matrix) ran its
-        32-sequence batches 1.15x as fast as on sgemm, Gemma 3 (66 %) 0.93x (Zen 3 EPYC)."""
-        return self.int8_matmul and (int8_matmul.VNNI or 2 * self._signed_code_bytes < self._code_bytes)
+        same way whatever its batch): wherever the model's matrices have them."""
+        return self.int8_matmul
 
     def _compiled_for(self, rows: int, decode: bool) -> bool:
         few = rows <= quantized.COMPILED_MAX_ROWS and (decode or not self.int8_matmul)
-        return self.quantized_matmul and (few or self._int8_everywhere
-                                          or (decode and self.decode_batches_in_int8))
+        return self.quantized_matmul and (few or self._int8_everywhere)
 
     def _compiled(self, rows: int) -> bool:
         """The pass's choice; a call outside a pass decides by its own rows, as a prompt's."""
@@ -213,11 +203,8 @@ class CPUBackend:
             place = self._arena.place
             int8 = dataclasses.replace(int8, codes=place(int8.codes), scale=place(int8.scale),
                                        offset=place(int8.offset))
-            if int8_matmul.VNNI:    # the 8-bit kernel takes every product: no float32 copy kept
-                return Linear(None, None, int8)
-            self._code_bytes += int8.codes.nbytes
-            self._signed_code_bytes += int8.codes.nbytes if int8.run == 0 else 0
-            return Linear(np.ascontiguousarray(w.T, dtype=np.float32), None, int8)
+            return Linear(None, None, int8)      # the 8-bit kernel takes every product: no float32 copy
+
         codes = quantized.quantize_parts(encoded, w) if encoded and self.quantized_matmul else None
         return Linear(np.ascontiguousarray(w.T, dtype=np.float32), codes)
 
@@ -374,6 +361,5 @@ class CPUBackend:
     def _rowwise(self, rows: int) -> bool:
         """Passes whose products code each row in 8 bits alone: each row attends alone, with
         llama.cpp's rounding (queries and softmax in float16), so a row's result does not depend on
-        the rows packed with it. With AVX2 a prompt's rows go through sgemm (whose rows can move by an ulp
-        with the batch: f16 rounding would make that 1e-3) and the batched attention."""
-        return self.int8_matmul and (self._int8_everywhere or self._compiled(rows))
+        the rows packed with it."""
+        return self.int8_matmul

@@ -144,18 +144,18 @@ class ExportBlocksRequest(_message.Message):
     def __init__(self, blocks: _Optional[_Union[BlockRange, _Mapping]] = ...) -> None: ...
 
 class ExportBlocksResponse(_message.Message):
-    __slots__ = ("layers",)
-    LAYERS_FIELD_NUMBER: _ClassVar[int]
-    layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
-    def __init__(self, layers: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("kv",)
+    KV_FIELD_NUMBER: _ClassVar[int]
+    kv: _common_pb2.Tensor
+    def __init__(self, kv: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ImportBlocksRequest(_message.Message):
-    __slots__ = ("blocks", "layers")
+    __slots__ = ("blocks", "kv")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     blocks: BlockRange
-    layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
-    def __init__(self, blocks: _Optional[_Union[BlockRange, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+    kv: _common_pb2.Tensor
+    def __init__(self, blocks: _Optional[_Union[BlockRange, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ImportBlocksResponse(_message.Message):
     __slots__ = ()
