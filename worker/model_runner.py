@@ -114,8 +114,7 @@ class ModelRunner:
         if sample_rows:
             # the logits product goes where its own row count says: a prompt chunk's one sampled row
             # reads the output matrix's codes (a quarter of its float32 bytes), not OpenBLAS's gemv
-            # (in a pass of decode rows, as a plain decode's logits are: verified rows are then its rows)
-            self.ops.begin_pass(len(sample_rows), inp.attention.decode_pass)
+            self.ops.begin_pass(len(sample_rows))
             logits = self.ops.to_numpy(self.model.logits(hidden[np.array(sample_rows)]))
             if sample_idx:
                 self._sample([chunks[i] for i in sample_idx], logits[np.array(plain_at)] if verify else logits,
@@ -170,12 +169,7 @@ class ModelRunner:
         return self.ops.to_numpy(self.ops.run_logits(self.model, inp)[0])
 
     def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
-        # a chunk of drafts to verify, [last, d1..dk], is k + 1 decode rows of one sequence: each row
-        # is then computed as that position's plain decode would be (on the 8-bit paths a decode
-        # row's result does not depend on the rows beside it, so greedy verification emits the
-        # plain output token for token), and the pass stays on the compiled decode path instead of
-        # a prompt chunk's (sgemm over the float32 weights on an AVX2 CPU: 4-6x a decode step)
-        if self.config.causal and all(len(c.token_ids) == 1 + c.num_draft and not c.score_top_k for c in chunks):
+        if self.config.causal and all(len(c.token_ids) == 1 and not c.score_top_k for c in chunks):
             return self._pack_decode(chunks)
         return self._pack_chunks(chunks)
 
@@ -205,29 +199,25 @@ class ModelRunner:
         return ForwardInput(token_ids, positions, meta, output_rows), output_rows
 
     def _pack_decode(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
-        """_pack for decode rows, one token a chunk or a chunk of drafts to verify (a row for each
-        of its tokens), in four numpy calls: each runs cold after a step's weight streams (a
-        1-element add: 24-38 us), so the columns are Python lists until one array holds them all."""
+        """_pack for one token a chunk (the same arrays) in four numpy calls: each runs cold after
+        a step's weight streams (a 1-element add: 24-38 us), so the columns are Python lists until
+        one array holds them all."""
         bs = self.capacity.block_size
         tables, columns = [], []
-        for c in chunks:
+        for i, c in enumerate(chunks):
+            block, offset = divmod(c.start_pos, bs)
             table = c.block_table.tolist() if isinstance(c.block_table, np.ndarray) else list(c.block_table)
-            end = c.start_pos + len(c.token_ids)
-            if len(table) * bs < end:
+            if len(table) <= block:
                 raise ValueError(f"sequence {c.seq_id}: block table has {len(table)} blocks, "
-                                 f"{-(-end // bs)} needed for {end} tokens")
-            tokens = [int(t) for t in c.token_ids]
-            for j, token in enumerate(tokens):
-                block, offset = divmod(c.start_pos + j, bs)
-                tables.append(table)
-                columns.append((c.start_pos + j, c.start_pos + j + 1, table[block] * bs + offset, token, 1,
-                                len(columns)))
-            self._remember(c, tokens)
+                                 f"{block + 1} needed for {c.start_pos + 1} tokens")
+            token = int(c.token_ids[0])
+            tables.append(table)
+            columns.append((c.start_pos, c.start_pos + 1, table[block] * bs + offset, token, 1, i))
+            self._remember(c, [token])
         width = max(len(t) for t in tables)
         tables = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
         positions, context_lens, slots, token_ids, ones, rows = np.array(list(zip(*columns)), np.int64)
-        meta = AttentionMetadata.for_decode(context_lens, tables, slots, rows=rows, query_lens=ones,
-                                            verify_rows=len(columns) > len(chunks))
+        meta = AttentionMetadata.for_decode(context_lens, tables, slots, rows=rows, query_lens=ones)
         return ForwardInput(token_ids, positions, meta, rows), rows
 
     def _remember(self, c: SeqChunk, tokens: list[int] | None = None) -> None:
