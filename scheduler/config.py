@@ -36,7 +36,7 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
     speculative_governor: bool = option(True, "measure the time per emitted token with and without drafting, per "
                                         "range of batch sizes, and pause drafting where it does not pay (steps "
                                         "then run as with --speculative off), probing again later", Flag())
-    num_speculative_tokens: int = option(3, "tokens drafted per sequence and step at most, with --speculative",
+    num_speculative_tokens: int = option(5, "tokens drafted per sequence and step at most, with --speculative",
                                          Integer(1, 16), aliases=("--num-spec-tokens",))
     prompt_lookup_min: int = option(1, "shortest n-gram the ngram proposer looks up (vLLM's prompt_lookup_min)",
                                     Integer(1, 64))

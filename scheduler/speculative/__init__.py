@@ -13,7 +13,7 @@ PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer}
 METHODS = ("off", "ngram", "draft")
 
 
-def make_controller(method: str, num_speculative_tokens: int = 3, prompt_lookup_min: int = 1,
+def make_controller(method: str, num_speculative_tokens: int = 5, prompt_lookup_min: int = 1,
                     prompt_lookup_max: int = 4, governor: bool = True) -> SpeculativeController | None:
     """The engine's controller for `--speculative METHOD`, or None for "off"; with a cost governor
     (`--speculative-governor`, on by default) unless `governor` is False."""
