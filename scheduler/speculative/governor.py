@@ -1,8 +1,9 @@
 """The cost governor of speculative decoding: drafting only where it pays.
 
 A step with drafts is never launched ahead (its input token is not known until the step before
-returns) and its verification rows make a bigger pass than a decode (on an AVX2 CPU, a pass off
-the 8-bit decode path), so drafting costs time that only accepted drafts pay back. Whether they
+returns) and its verification rows make a bigger pass than a decode (run kernel by kernel, where a
+decode of a few rows is replayed from its captured graph), so drafting costs time that only
+accepted drafts pay back. Whether they
 do depends on the text (copying pays, open-ended text mostly not) and on the batch: one sequence
 leaves the cores idle between steps, 32 keep them busy, and there the extra rows cost nearly
 what they weigh. The governor measures both ways of running, per range of batch sizes, and
