@@ -124,6 +124,24 @@ class RouterMetrics:
         self.spec_mean_length = Gauge("tensorserve_spec_decode_mean_acceptance_length", "Tokens emitted per "
                                       "verification since the scheduler started (accepted drafts + the model's "
                                       "own), 0 before the first", registry=r)
+        # the cost governor (scheduler/speculative/governor.py), per range of batch sizes
+        self.spec_governor_drafting = Gauge(
+            "tensorserve_spec_decode_governor_drafting", "1 while steps of this range of batch sizes draft, 0 "
+            "while the cost governor has paused drafting there (or is measuring plain steps)", ["batch_size_range"],
+            registry=r)
+        self.spec_governor_state = Gauge(
+            "tensorserve_spec_decode_governor_state", "1 for the cost governor's state of this range of batch "
+            "sizes (probing, drafting, paused), 0 for the others", ["batch_size_range", "state"], registry=r)
+        self.spec_governor_cost = Gauge(
+            "tensorserve_spec_decode_governor_seconds_per_token", "The cost governor's EWMA of a step's seconds "
+            "per emitted token, with drafts (mode=draft) and without (mode=plain); 0 before a measurement",
+            ["batch_size_range", "mode"], registry=r)
+        self.spec_governor_totals = {
+            "pauses": Counter("tensorserve_spec_decode_governor_pauses", "Times the cost governor paused "
+                              "drafting for this range of batch sizes", ["batch_size_range"], registry=r),
+            "probes": Counter("tensorserve_spec_decode_governor_probes", "Times the cost governor measured "
+                              "drafting again for this range of batch sizes", ["batch_size_range"], registry=r),
+        }
         self.scheduler_up = Gauge("tensorserve_scheduler_up", "1 when the last Stats call to the scheduler succeeded",
                                   registry=r)
 
@@ -159,6 +177,17 @@ class RouterMetrics:
             for name, counter in self.spec_totals.items():
                 self._advance(("speculative", name), counter, getattr(sp, name))
             self.spec_mean_length.set(1 + sp.accepted_tokens / sp.drafts if sp.drafts else 0.0)
+            for g in sp.governor:
+                label = g.batch_sizes
+                self.spec_governor_drafting.labels(batch_size_range=label).set(1 if g.drafting else 0)
+                for state in ("probing", "drafting", "paused"):
+                    self.spec_governor_state.labels(batch_size_range=label, state=state).set(
+                        1 if g.state == state else 0)
+                self.spec_governor_cost.labels(batch_size_range=label, mode="draft").set(g.draft_seconds_per_token)
+                self.spec_governor_cost.labels(batch_size_range=label, mode="plain").set(g.plain_seconds_per_token)
+                for name, counter in self.spec_governor_totals.items():
+                    self._advance(("governor", label, name), counter.labels(batch_size_range=label),
+                                  getattr(g, name))
 
     def _advance(self, key, counter, total) -> None:
         """Move a counter to a polled total (a total that went down started again from zero)."""

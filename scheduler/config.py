@@ -28,12 +28,15 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
     num_decode_steps: int = option(1, "tokens a step that only decodes computes in one worker call (multi-step "
                                    "scheduling): the host's work per step is paid once for all of them, and "
                                    "tokens reach clients that many at a time", Integer(1, 64))
-    speculative: str = option("off", "speculative decoding: drafted tokens verified by the model in one pass "
+    speculative: str = option("ngram", "speculative decoding: drafted tokens verified by the model in one pass "
                               "(greedy output unchanged, sampling keeps its distribution); ngram = prompt "
                               "lookup over the prompt and the text so far; draft = a draft model the worker "
-                              "runs beside the model (--draft-model), greedy drafts; a request's \"speculative\": false turns it off for that request",
-                              Choice("off", "ngram", "draft"))
-    num_speculative_tokens: int = option(3, "tokens drafted per sequence and step at most, with --speculative",
+                              "runs beside the model (--draft-model), greedy drafts; off = none; a request's "
+                              "\"speculative\": false turns it off for that request", Choice("off", "ngram", "draft"))
+    speculative_governor: bool = option(True, "measure the time per emitted token with and without drafting, per "
+                                        "range of batch sizes, and pause drafting where it does not pay (steps "
+                                        "then run as with --speculative off), probing again later", Flag())
+    num_speculative_tokens: int = option(5, "tokens drafted per sequence and step at most, with --speculative",
                                          Integer(1, 16), aliases=("--num-spec-tokens",))
     prompt_lookup_min: int = option(1, "shortest n-gram the ngram proposer looks up (vLLM's prompt_lookup_min)",
                                     Integer(1, 64))
@@ -60,7 +63,8 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
                                        Number(0, exclusive=True), env="TS_WORKER_PROBE_AFTER_S")
 
 
-SPECULATIVE_OPTIONS = ("speculative", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+SPECULATIVE_OPTIONS = ("speculative", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                       "speculative_governor")
 
 
 def check_speculative(resolved: Resolved) -> None:

@@ -323,7 +323,7 @@ class SchedulerCore:
         """A new engine's controller; its counters go on from the last engine's (they are since start)."""
         c = self.config
         controller = make_controller(c.speculative, c.num_speculative_tokens, c.prompt_lookup_min,
-                                     c.prompt_lookup_max)
+                                     c.prompt_lookup_max, c.speculative_governor)
         if controller is not None:
             controller.stats = self._speculative_stats
         return controller
@@ -418,6 +418,14 @@ class SchedulerCore:
                 s.speculative.CopyFrom(scheduler_pb2.SpeculativeStats(
                     method=e.speculative.method, drafts=st.drafts, draft_tokens=st.draft_tokens,
                     accepted_tokens=st.accepted_tokens))
+                if e.speculative.governor is not None:
+                    s.speculative.governed = True
+                    s.speculative.governor.extend(
+                        scheduler_pb2.GovernorBucket(
+                            batch_sizes=g.batch_sizes, state=g.state, drafting=g.drafting,
+                            draft_seconds_per_token=g.draft_seconds_per_token,
+                            plain_seconds_per_token=g.plain_seconds_per_token, pauses=g.pauses, probes=g.probes)
+                        for g in e.speculative.governor.snapshot())
         self._snapshot = s
 
     # ------------------------------------------------------------------ events

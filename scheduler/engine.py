@@ -15,6 +15,7 @@ before it is admitted, and its full prompt blocks are written to them as they ar
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -40,6 +41,8 @@ class _Launched:
     chunks: list[SeqChunk]
     wait: Callable[[], StepResult]
     steps: int = 1
+    drafting: bool = False        # scheduled while drafting was on for its batch size
+    batch_size: int = 0           # running sequences when it was scheduled
 
 
 class Engine:
@@ -47,7 +50,8 @@ class Engine:
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  fingerprint: str = "", enable_prefix_caching: bool = True, submit: Submit | None = None,
                  max_prefill_tokens_while_decoding: int | None = None, num_decode_steps: int = 1,
-                 checkpoints: CheckpointTier | None = None, speculative: SpeculativeController | None = None):
+                 checkpoints: CheckpointTier | None = None, speculative: SpeculativeController | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.executor = executor
         self.submit = submit
         self._in_flight: _Launched | None = None
@@ -73,6 +77,12 @@ class Engine:
         self.checkpoints = checkpoints if enable_prefix_caching else None
         self.restored_tokens = 0                       # since start: prompt tokens restored from the stores
         self.speculative = speculative                 # drafts for decodes (scheduler/speculative/)
+        # step costs for the speculative cost governor: when the last result came back (None while
+        # idle), and whether that step only decoded
+        self.clock = clock
+        self._last_done: float | None = None
+        self._last_decode_only = False
+        self._drafting = False                         # the step being scheduled may draft
 
     def add(self, seq: Sequence) -> None:
         limit = self.max_context
@@ -123,8 +133,12 @@ class Engine:
                 planned.add(seq.seq_id)
                 free -= k
                 budget -= 1
-        if plan and self.speculative is not None:       # drafted tokens ride with the decodes
-            budget, free = self.speculative.draft(plan, budget, free, self.blocks, self.max_context)
+        # the governor's mode for this step: drafting where some sequence could draft (and so holds
+        # the pipeline) and the governor lets this batch size draft
+        self._drafting = self.speculative is not None and self.speculative.holds_pipelining(self.running)
+        if plan and self.speculative is not None:       # drafted tokens ride with the decodes (not where paused)
+            budget, free = self.speculative.draft(plan, budget, free, self.blocks, self.max_context,
+                                                  len(self.running))
         if plan:
             budget = min(budget, self.max_prefill_tokens_while_decoding)
         for seq in list(self.running):                 # then unfinished prefills, in chunks
@@ -234,6 +248,8 @@ class Engine:
         the placeholder token -1 ("the token you sampled last for this sequence"), so the
         worker never waits for the scheduler between decode steps."""
         self._release_exported()
+        if self._last_done is None:
+            self._last_done = self.clock()             # busy from here: the step's cost starts now
         if self._in_flight is None:
             plan = self._schedule()
             if not plan and self.checkpoints is not None and self.checkpoints.holding:
@@ -244,12 +260,16 @@ class Engine:
                 if self.has_work():
                     raise RuntimeError("no sequence could be scheduled: the KV pool is too small for the "
                                        "waiting prompt")
+                self._last_done = None
                 return []
-            self._in_flight = self._launch(plan, self._decode_steps(plan))
+            self._in_flight = self._launch(plan, self._decode_steps(plan), self._drafting)
         current = self._in_flight
         ahead = self._plan_ahead(current) if self.submit is not None else None
         self._in_flight = self._launch(ahead) if ahead else None
-        return self._fold(current)
+        progressed = self._fold(current)
+        if not self.has_work():
+            self._last_done = None                     # idle until the next request
+        return progressed
 
     def _decode_steps(self, plan: list[tuple[Sequence, int]]) -> int:
         """Tokens the planned step decodes in one call (num_decode_steps), its block tables grown for
@@ -269,7 +289,7 @@ class Engine:
             self.blocks.grow(seq.block_table, seq.num_computed + steps)
         return steps
 
-    def _launch(self, plan: list[tuple[Sequence, int]], steps: int = 1) -> _Launched:
+    def _launch(self, plan: list[tuple[Sequence, int]], steps: int = 1, drafting: bool = False) -> _Launched:
         chunks = [self._chunk(seq, n) for seq, n in plan]
         request = StepRequest(chunks, finished=self._finished_ids, copy_blocks=self._copies, num_steps=steps)
         self._finished_ids, self._copies = [], []
@@ -277,9 +297,9 @@ class Engine:
         for seq, n in plan:
             seq.num_computed += n + steps - 1          # in flight: the worker is computing them
         if self.submit is not None:
-            return _Launched(plan, chunks, self.submit(request), steps)
+            return _Launched(plan, chunks, self.submit(request), steps, drafting, len(self.running))
         result = self.executor(request)
-        return _Launched(plan, chunks, lambda: result, steps)
+        return _Launched(plan, chunks, lambda: result, steps, drafting, len(self.running))
 
     def _plan_ahead(self, current: _Launched) -> list[tuple[Sequence, int]] | None:
         """The next decode step, if it can be decided before `current` returns: `current` only
@@ -305,11 +325,14 @@ class Engine:
 
     def _fold(self, launched: _Launched) -> list[Sequence]:
         result = launched.wait()
+        done = self.clock()
         by_step = [{r.seq_id: r for r in results} for results in [result.results, *result.later]]
         progressed = []
+        emitted = 0
         for (seq, n), chunk in zip(launched.plan, launched.chunks):
             if seq.status is Status.FINISHED:          # aborted, or stopped while this step ran
                 continue
+            had = len(seq.output)
             r = by_step[0][seq.seq_id]
             if r.score_ids is not None:
                 targets = r.score_target_logprobs if r.score_target_logprobs is not None \
@@ -328,13 +351,27 @@ class Engine:
                     if seq.finish_reason is None:
                         r = by_id[seq.seq_id]
                         self._append(seq, r.token_id, r.logprob, r.top_ids, r.top_logprobs)
+            emitted += len(seq.output) - had
             # the K/V written for positions whose input token the sequence kept
             self._commit_full_blocks(seq, min(computed, seq.num_tokens))
             if chunk.sample or seq.finish_reason:
                 progressed.append(seq)
             if seq.finish_reason:
                 self._finish(seq)
+        self._record_cost(launched, emitted, done)
         return progressed
+
+    def _record_cost(self, launched: _Launched, emitted: int, done: float) -> None:
+        """Tell the speculative cost governor what a decode-only step cost: the time from the
+        previous result to this one, when that previous step only decoded too (the first step
+        after a prompt chunk is never launched ahead, whatever the mode). Steps with prompt
+        chunks are not measured (scheduler/speculative/governor.py says why)."""
+        decode_only = all(c.sample and not c.score_top_k and c.start_pos >= c.prompt_len
+                          and len(c.token_ids) == 1 + c.num_draft for c in launched.chunks)
+        if (self.speculative is not None and decode_only and self._last_decode_only
+                and self._last_done is not None):
+            self.speculative.record(launched.batch_size, launched.drafting, emitted, done - self._last_done)
+        self._last_done, self._last_decode_only = done, decode_only
 
     def _append(self, seq: Sequence, token: int, logprob: float, top_ids, top_logprobs) -> None:
         seq.append(token)

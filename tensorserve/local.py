@@ -29,8 +29,9 @@ class LocalEngine:
     def __init__(self, model: str | Path, kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = 16,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, load_tokenizer: bool = True,
                  enable_prefix_caching: bool = True, num_decode_steps: int = 1, kv_cache_dtype: str = "f16",
-                 speculative: str = "off", num_speculative_tokens: int = 3, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4, draft_model: str | Path | None = None):
+                 speculative: str = "off", num_speculative_tokens: int = 5, prompt_lookup_min: int = 1,
+                 prompt_lookup_max: int = 4, speculative_governor: bool = True,
+                 draft_model: str | Path | None = None):
         self.path = resolve_model(str(model))
         self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size,
                                   kv_cache_dtype=kv_cache_dtype,
@@ -41,7 +42,7 @@ class LocalEngine:
                              fingerprint=self.runner.config.fingerprint, enable_prefix_caching=enable_prefix_caching,
                              num_decode_steps=num_decode_steps,
                              speculative=make_controller(speculative, num_speculative_tokens, prompt_lookup_min,
-                                                         prompt_lookup_max))
+                                                         prompt_lookup_max, speculative_governor))
         self.tokenizer = None
         if load_tokenizer:
             from router.tokenizer import Tokenizer

@@ -73,7 +73,7 @@ def reference(runner, prompts) -> list[list[int]]:
 
 
 def test_greedy_output_with_ngram_drafts_is_the_plain_output_on_every_prompt(runner, prompts, reference):
-    spec = make_controller("ngram", 4)
+    spec = make_controller("ngram", 4, governor=False)
     assert run(make_engine(runner, spec), [Sequence(list(p), greedy(24)) for p in prompts]) == reference
     assert spec.stats.drafts > 0 and spec.stats.accepted_tokens > 0
 
@@ -81,7 +81,7 @@ def test_greedy_output_with_ngram_drafts_is_the_plain_output_on_every_prompt(run
 def test_greedy_output_with_ngram_drafts_is_the_plain_output_on_gemma3(engines):
     runner = engines("gemma3-270m").runner
     prompts = [c["prompt_tokens"] for c in load_fixture("gemma3-270m")["generate"]]
-    spec = make_controller("ngram", 4)
+    spec = make_controller("ngram", 4, governor=False)
     assert run(make_engine(runner, spec), [Sequence(list(p), greedy(12)) for p in prompts]) == \
         plain(runner, prompts, greedy(12))
     assert spec.stats.accepted_tokens > 0
@@ -90,7 +90,7 @@ def test_greedy_output_with_ngram_drafts_is_the_plain_output_on_gemma3(engines):
 def test_copying_accepts_most_drafts_stops_inside_them_and_commits_only_accepted_kv(runner, tokenizer, prompts,
                                                                                      reference):
     prompt, expected = prompts[-2], reference[-2]
-    spec = make_controller("ngram", 5)
+    spec = make_controller("ngram", 5, governor=False)
     engine = make_engine(runner, spec)
     [got] = run(engine, [Sequence(list(prompt), greedy(24))])
     assert got == expected
@@ -106,7 +106,7 @@ def test_copying_accepts_most_drafts_stops_inside_them_and_commits_only_accepted
     assert cached == plain(runner, [turn], greedy(6))[0]
     # a stop token among accepted drafts ends the sequence there
     stop = expected[16]
-    [stopped] = run(make_engine(runner, make_controller("ngram", 5)),
+    [stopped] = run(make_engine(runner, make_controller("ngram", 5, governor=False)),
                     [Sequence(list(prompt), greedy(24, stop_token_ids=(stop,)))])
     assert stopped == expected[:expected.index(stop) + 1]
 
@@ -117,7 +117,7 @@ def test_batched_decodes_with_and_without_drafts_preemption_and_abort(runner, pr
     block comes back."""
     chosen = [i for i, p in enumerate(prompts) if len(p) < 200]
     lengths = [24, 10, 18, 6, 22, 14, 20, 12][:len(chosen)]
-    spec = make_controller("ngram", 4)
+    spec = make_controller("ngram", 4, governor=False)
     engine = make_engine(runner, spec, num_blocks=12, max_num_batched_tokens=48)
     seqs = [Sequence(list(prompts[i]), greedy(n)) for i, n in zip(chosen, lengths)]
     seqs[1].speculative = seqs[4].speculative = False

@@ -30,6 +30,8 @@ def test_proposers_are_chosen_by_name():
     assert make_controller("off") is None
     controller = make_controller("ngram", 5, 2, 3)
     assert controller.k == 5 and controller.method == "ngram"
+    assert controller.governor is not None                       # the cost governor is on by default
+    assert make_controller("ngram", governor=False).governor is None
     out = controller.proposer.propose([DraftRequest(0, [4, 5, 6, 4, 5], 2), DraftRequest(1, [1, 2], 3)])
     assert out == [[6, 4], []]
     draft = make_controller("draft", 4)      # the worker's draft model fills the placeholders

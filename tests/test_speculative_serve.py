@@ -1,6 +1,6 @@
 """Speculative decoding through `tensorserve serve --speculative ngram`: the HTTP API's greedy
 output is the in-process plain output, `speculative: false` turns it off per request, and
-/metrics counts drafted and accepted tokens."""
+/metrics counts drafted and accepted tokens and shows the cost governor's state."""
 from __future__ import annotations
 
 import re
@@ -51,6 +51,14 @@ def test_served_greedy_output_equals_plain_and_metrics_count_acceptance(tmp_path
             assert 0 < accepted <= drafted
             assert metric(metrics, "tensorserve_spec_decode_num_drafts_total") > 0
             assert metric(metrics, "tensorserve_spec_decode_mean_acceptance_length") > 2
+            # the cost governor (on by default) shows its state per range of batch sizes
+            states = re.findall(r'^tensorserve_spec_decode_governor_state\{batch_size_range="1",state="(\w+)"\} '
+                                r'1\.0$', metrics, re.M)
+            assert len(states) == 1 and states[0] in ("probing", "drafting", "paused"), states
+            assert re.search(r'^tensorserve_spec_decode_governor_drafting\{batch_size_range="32\+"\} 0\.0$',
+                             metrics, re.M)     # never used: probing, plain steps first
+            assert re.search(r'^tensorserve_spec_decode_governor_pauses_total\{batch_size_range="1"\} ', metrics,
+                             re.M)
 
             assert complete(speculative=False) == tokenizer.decode(expected)
             again = client.get(f"{base}/metrics").text

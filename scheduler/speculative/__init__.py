@@ -6,6 +6,7 @@ from __future__ import annotations
 from scheduler.speculative.base import DraftRequest, Proposer
 from scheduler.speculative.controller import SpeculativeController, SpeculativeStats
 from scheduler.speculative.draft_model import DraftModelProposer
+from scheduler.speculative.governor import BucketState, CostGovernor
 from scheduler.speculative.ngram import NgramProposer
 
 # `--speculative NAME`; "draft" asks the worker's draft model (--draft-model) for the tokens
@@ -13,18 +14,20 @@ PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "draft": DraftMo
 METHODS = ("off", "ngram", "draft")
 
 
-def make_controller(method: str, num_speculative_tokens: int = 3, prompt_lookup_min: int = 1,
-                    prompt_lookup_max: int = 4) -> SpeculativeController | None:
-    """The engine's controller for `--speculative METHOD`, or None for "off"."""
+def make_controller(method: str, num_speculative_tokens: int = 5, prompt_lookup_min: int = 1,
+                    prompt_lookup_max: int = 4, governor: bool = True) -> SpeculativeController | None:
+    """The engine's controller for `--speculative METHOD`, or None for "off"; with a cost governor
+    (`--speculative-governor`, on by default) unless `governor` is False."""
     if method == "off":
         return None
     if method == "draft":
-        return SpeculativeController(DraftModelProposer(), num_speculative_tokens)
+        return SpeculativeController(DraftModelProposer(), num_speculative_tokens,
+                                     CostGovernor() if governor else None)
     if method != "ngram":
         raise ValueError(f"unknown speculative method {method!r}: one of {', '.join(METHODS)}")
     proposer = NgramProposer(prompt_lookup_min, prompt_lookup_max)
-    return SpeculativeController(proposer, num_speculative_tokens)
+    return SpeculativeController(proposer, num_speculative_tokens, CostGovernor() if governor else None)
 
 
-__all__ = ["DraftRequest", "Proposer", "NgramProposer", "DraftModelProposer", "PROPOSERS", "METHODS", "SpeculativeController",
-           "SpeculativeStats", "make_controller"]
+__all__ = ["DraftRequest", "Proposer", "NgramProposer", "DraftModelProposer", "PROPOSERS", "METHODS",
+           "SpeculativeController", "SpeculativeStats", "CostGovernor", "BucketState", "make_controller"]

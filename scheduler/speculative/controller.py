@@ -3,7 +3,10 @@ verified chunk leaves of the sequence.
 
 Called from a few points of scheduler/engine.py: `draft` after the step's decodes are planned
 (before prompt chunks take the rest of the token budget), `settle` when a chunk with drafts
-comes back, `forget` when a sequence leaves, `holds_pipelining` before a step is launched ahead.
+comes back, `forget` when a sequence leaves, `holds_pipelining` before a step is launched ahead,
+`record` with each decode-only step's time. With a cost governor (governor.py), drafting runs
+only for batch sizes where it pays: where the governor has paused it, `draft` returns at once
+and `holds_pipelining` is False, so the step is the one speculation off would have scheduled.
 The worker does the arithmetic (it owns sampling): the chunk [last, d1..dk] is verified in the
 step's one forward, and it answers with the accepted drafts and one token of its own after them.
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence
 from scheduler.speculative.base import DraftRequest, Proposer
+from scheduler.speculative.governor import CostGovernor
 from shared.step import SeqChunk, SeqResult
 
 
@@ -34,12 +38,13 @@ class SpeculativeStats:
 
 
 class SpeculativeController:
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int):
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, governor: CostGovernor | None = None):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.stats = SpeculativeStats()
+        self.governor = governor          # None: always draft
 
     @property
     def method(self) -> str:
@@ -50,16 +55,31 @@ class SpeculativeController:
         """Whether the request lets this sequence draft at all (its state aside)."""
         return seq.speculative and not seq.score_top_k and seq.params.logprobs is None
 
+    def drafting(self, batch_size: int) -> bool:
+        """Whether steps of `batch_size` running sequences draft now (the governor's say)."""
+        return self.governor is None or self.governor.allows(batch_size)
+
     def holds_pipelining(self, seqs: list[Sequence]) -> bool:
         """A step launched ahead carries no drafts (its input token is not known yet): while some
-        sequence could draft, steps are scheduled one at a time instead."""
-        return any(self.may_draft(s) and s.params.max_tokens - len(s.output) >= 3 for s in seqs)
+        sequence could draft, steps are scheduled one at a time instead. Not where the governor
+        has paused drafting for this batch size: there steps pipeline as without speculation."""
+        return self.drafting(len(seqs)) and any(self.may_draft(s) and s.params.max_tokens - len(s.output) >= 3
+                                                for s in seqs)
+
+    def record(self, batch_size: int, drafting: bool, emitted: int, seconds: float) -> None:
+        """A decode-only step's cost, for the governor (see governor.py for what is measured)."""
+        if self.governor is not None:
+            self.governor.record(batch_size, drafting, emitted, seconds)
 
     def draft(self, plan: list[tuple[Sequence, int]], budget: int, free: int, blocks: BlockManager,
-              max_context: int) -> tuple[int, int]:
+              max_context: int, batch_size: int | None = None) -> tuple[int, int]:
         """Give the planned decodes of `plan` drafted tokens (their entries become (seq, 1 + k)),
         within the step's token `budget` and the `free` blocks left after the plan; returns both
-        as left over. Blocks are not grown here: the engine grows every planned table after."""
+        as left over. Blocks are not grown here: the engine grows every planned table after.
+        Nothing, at no cost, where the governor has paused drafting for `batch_size` (the running
+        sequences; the plan's length when not given)."""
+        if not self.drafting(len(plan) if batch_size is None else batch_size):
+            return budget, free
         candidates = []
         for i, (seq, n) in enumerate(plan):
             if n != 1 or seq.num_computed != seq.num_tokens - 1 or not self.may_draft(seq):

@@ -110,16 +110,38 @@ class StatsResponse(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., preempted: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_used_fraction: _Optional[float] = ..., tokens_computed: _Optional[int] = ..., steps: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.ServingStatus, str]] = ..., status_message: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentHealth, _Mapping]]] = ..., checkpoints: _Optional[_Union[PrefixCheckpointStats, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
-    __slots__ = ("method", "drafts", "draft_tokens", "accepted_tokens")
+    __slots__ = ("method", "drafts", "draft_tokens", "accepted_tokens", "governed", "governor")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GOVERNED_FIELD_NUMBER: _ClassVar[int]
+    GOVERNOR_FIELD_NUMBER: _ClassVar[int]
     method: str
     drafts: int
     draft_tokens: int
     accepted_tokens: int
-    def __init__(self, method: _Optional[str] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    governed: bool
+    governor: _containers.RepeatedCompositeFieldContainer[GovernorBucket]
+    def __init__(self, method: _Optional[str] = ..., drafts: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., governed: _Optional[bool] = ..., governor: _Optional[_Iterable[_Union[GovernorBucket, _Mapping]]] = ...) -> None: ...
+
+class GovernorBucket(_message.Message):
+    __slots__ = ("batch_sizes", "state", "drafting", "draft_seconds_per_token", "plain_seconds_per_token", "pauses", "probes")
+    BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAUSES_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
+    batch_sizes: str
+    state: str
+    drafting: bool
+    draft_seconds_per_token: float
+    plain_seconds_per_token: float
+    pauses: int
+    probes: int
+    def __init__(self, batch_sizes: _Optional[str] = ..., state: _Optional[str] = ..., drafting: _Optional[bool] = ..., draft_seconds_per_token: _Optional[float] = ..., plain_seconds_per_token: _Optional[float] = ..., pauses: _Optional[int] = ..., probes: _Optional[int] = ...) -> None: ...
 
 class PrefixCheckpointStats(_message.Message):
     __slots__ = ("restored_tokens", "saved_blocks", "saves_dropped", "rejected", "stores", "restored_bytes", "restore_seconds")
