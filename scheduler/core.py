@@ -37,6 +37,7 @@ from scheduler.checkpoint_tier import CheckpointTier, checkpoint_stats, open_tie
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.events import final_event, progress_event
+from scheduler.stats import engine_stats
 from scheduler.sequence import Sequence
 from scheduler.speculative import SpeculativeController, SpeculativeStats, make_controller
 from scheduler.worker_client import WorkerClient, WorkerFailure
@@ -399,34 +400,7 @@ class SchedulerCore:
         return events
 
     def _update_snapshot(self) -> None:
-        s = scheduler_pb2.StatsResponse()
-        e = self.engine
-        if e is not None:
-            total, free = e.blocks.num_blocks, e.blocks.num_free
-            s.running, s.waiting, s.preempted = len(e.running), len(e.waiting), len(e.preempted)
-            s.kv_blocks_total, s.kv_blocks_free = total, free
-            s.kv_blocks_cached = e.blocks.num_cached
-            s.prefix_cache_queried_tokens = e.blocks.queried_tokens
-            s.prefix_cache_hit_tokens = e.blocks.hit_tokens
-            s.preemptions = e.num_preemptions
-            s.kv_used_fraction = (total - free) / total if total else 0.0
-            s.block_size, s.max_context = e.blocks.block_size, e.max_context
-            if e.checkpoints is not None:
-                s.checkpoints.CopyFrom(checkpoint_stats(e))
-            if e.speculative is not None:
-                st = e.speculative.stats
-                s.speculative.CopyFrom(scheduler_pb2.SpeculativeStats(
-                    method=e.speculative.method, drafts=st.drafts, draft_tokens=st.draft_tokens,
-                    accepted_tokens=st.accepted_tokens))
-                if e.speculative.governor is not None:
-                    s.speculative.governed = True
-                    s.speculative.governor.extend(
-                        scheduler_pb2.GovernorBucket(
-                            batch_sizes=g.batch_sizes, state=g.state, drafting=g.drafting,
-                            draft_seconds_per_token=g.draft_seconds_per_token,
-                            plain_seconds_per_token=g.plain_seconds_per_token, pauses=g.pauses, probes=g.probes)
-                        for g in e.speculative.governor.snapshot())
-        self._snapshot = s
+        self._snapshot = engine_stats(self.engine)
 
     # ------------------------------------------------------------------ events
     def _event_for(self, seq: Sequence):
