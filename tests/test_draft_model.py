@@ -111,14 +111,14 @@ def test_make_draft_refuses_more_layers_than_the_model_has(tmp_path):
 
 def test_greedy_output_with_the_target_as_its_own_draft_is_plain_and_accepts_every_draft(self_runner, prompts,
                                                                                           reference):
-    spec = make_controller("draft", 3)
+    spec = make_controller("draft", 3, governor=False)
     assert run(make_engine(self_runner, spec), [Sequence(list(p), greedy(20)) for p in prompts]) == reference
     assert spec.stats.drafts > 0
     assert spec.stats.accepted_tokens == spec.stats.draft_tokens, spec.stats     # acceptance 100 %
 
 
 def test_greedy_output_with_a_made_draft_is_plain(made_runner, prompts, reference):
-    spec = make_controller("draft", 2)
+    spec = make_controller("draft", 2, governor=False)
     assert run(make_engine(made_runner, spec), [Sequence(list(p), greedy(20)) for p in prompts]) == reference
     assert spec.stats.drafts > 0 and spec.stats.draft_tokens > 0
 
@@ -131,7 +131,7 @@ def test_batched_drafts_with_plain_decodes_prefill_preemption_abort_and_prefix_c
     back, and a second turn reusing the cached blocks still matches."""
     chosen = [i for i, p in enumerate(prompts) if len(p) < 200]
     lengths = [20, 10, 16, 6, 20, 14, 18, 12][:len(chosen)]
-    spec = make_controller("draft", 3)
+    spec = make_controller("draft", 3, governor=False)
     engine = make_engine(self_runner, spec, num_blocks=12, max_num_batched_tokens=48)
     seqs = [Sequence(list(prompts[i]), greedy(n)) for i, n in zip(chosen, lengths)]
     seqs[1].speculative = False
@@ -153,7 +153,7 @@ def test_batched_drafts_with_plain_decodes_prefill_preemption_abort_and_prefix_c
     # prefix cache: a prompt run twice (in a fresh engine) starts the second time from its cached
     # blocks, the target's and the draft's (whose blocks carry the key of the prefix their K/V is
     # of), with the same output
-    spec = make_controller("draft", 3)
+    spec = make_controller("draft", 3, governor=False)
     engine = make_engine(self_runner, spec)
     longest = max(chosen, key=lambda i: len(prompts[i]))
     drafter = self_runner.drafter
@@ -188,7 +188,7 @@ def test_sampled_tokens_with_greedy_drafts_keep_the_target_distribution(made_run
     first = probs(prompt)
     likely = max(first, key=first.get)
     after = probs(prompt + [likely])
-    spec = make_controller("draft", 1)
+    spec = make_controller("draft", 1, governor=False)
     engine = make_engine(runner, spec, enable_prefix_caching=False)
     seqs = [Sequence(list(prompt), SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=s))
             for s in range(200)]
@@ -216,7 +216,7 @@ def test_gemma3_with_a_made_draft_keeps_its_greedy_output(engines, tmp_path):
         [target.layer_window(i) for i in range(6)]
     runner = ModelRunner(resolve_model("gemma3-270m"), kv_memory=32 * 2**20, draft_model=draft)
     prompts = [c["prompt_tokens"] for c in load_fixture("gemma3-270m")["generate"]]
-    spec = make_controller("draft", 2)
+    spec = make_controller("draft", 2, governor=False)
     assert run(make_engine(runner, spec), [Sequence(list(p), greedy(12)) for p in prompts]) == \
         plain(engines("gemma3-270m").runner, prompts, greedy(12))
     assert spec.stats.draft_tokens > 0
