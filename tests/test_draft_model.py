@@ -23,6 +23,7 @@ from shared.model_registry import resolve_model
 from shared.sampling_params import SamplingParams
 from shared.step import SeqChunk
 from test_sampling import CHI2_999
+from test_speculative_decoding import top4_probs
 
 MODEL = "smollm2-135m"
 DRAFT_LAYERS = 8
@@ -174,20 +175,9 @@ def test_sampled_tokens_with_greedy_drafts_keep_the_target_distribution(made_run
     target's own distribution (chi-square against the probabilities read from its logits)."""
     runner = made_runner
     prompt = load_fixture(MODEL)["generate"][0]["prompt_tokens"]
-    cap = runner.capacity
-
-    def probs(tokens: list[int]) -> dict[int, float]:
-        chunk = SeqChunk(seq_id=-7, token_ids=np.asarray(tokens, np.int64), start_pos=0,
-                         block_table=np.arange(-(-len(tokens) // cap.block_size), dtype=np.int32),
-                         prompt_len=len(tokens), sample=False)
-        row = runner.forward_logits([chunk])[-1].astype(np.float64)
-        top = np.argsort(-row)[:4]
-        w = np.exp(row[top] - row[top].max())
-        return dict(zip(top.tolist(), (w / w.sum()).tolist()))
-
-    first = probs(prompt)
+    first = top4_probs(runner, prompt)
     likely = max(first, key=first.get)
-    after = probs(prompt + [likely])
+    after = top4_probs(runner, prompt + [likely])
     spec = make_controller("draft", 1, governor=False)
     engine = make_engine(runner, spec, enable_prefix_caching=False)
     seqs = [Sequence(list(prompt), SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=s))

@@ -150,26 +150,26 @@ class FixedDraft(Proposer):
         return [[self.token] * r.max_tokens for r in requests]
 
 
+def top4_probs(runner, tokens: list[int]) -> dict[int, float]:
+    """The model's next-token probabilities after `tokens` over its top 4 (temperature 1, top-k 4)."""
+    chunk = SeqChunk(seq_id=-7, token_ids=np.asarray(tokens, np.int64), start_pos=0,
+                     block_table=np.arange(-(-len(tokens) // runner.capacity.block_size), dtype=np.int32),
+                     prompt_len=len(tokens), sample=False)
+    row = runner.forward_logits([chunk])[-1].astype(np.float64)
+    top = np.argsort(-row)[:4]
+    w = np.exp(row[top] - row[top].max())
+    return dict(zip(top.tolist(), (w / w.sum()).tolist()))
+
+
 def test_sampled_tokens_after_a_forced_draft_keep_the_target_distribution(runner):
     """Rejection sampling: the second token of many seeded samples at temperature 1 (top-k 4),
     its first step carrying a forced draft, follows the model's own distribution (chi-square
     against the probabilities read from the model's logits)."""
     prompt = load_fixture(MODEL)["generate"][0]["prompt_tokens"]
     params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=s) for s in range(200)]
-    cap = runner.capacity
-
-    def probs(tokens: list[int]) -> dict[int, float]:
-        chunk = SeqChunk(seq_id=-7, token_ids=np.asarray(tokens, np.int64), start_pos=0,
-                         block_table=np.arange(-(-len(tokens) // cap.block_size), dtype=np.int32),
-                         prompt_len=len(tokens), sample=False)
-        row = runner.forward_logits([chunk])[-1].astype(np.float64)
-        top = np.argsort(-row)[:4]
-        w = np.exp(row[top] - row[top].max())
-        return dict(zip(top.tolist(), (w / w.sum()).tolist()))
-
-    first = probs(prompt)
+    first = top4_probs(runner, prompt)
     likely = max(first, key=first.get)
-    after = probs(prompt + [likely])
+    after = top4_probs(runner, prompt + [likely])
     draft = sorted(after, key=after.get)[-2]           # the second choice: accepted about p of the time
     spec = SpeculativeController(FixedDraft(draft), 1)
     engine = make_engine(runner, spec, enable_prefix_caching=False)
