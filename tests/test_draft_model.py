@@ -23,7 +23,7 @@ from shared.model_registry import resolve_model
 from shared.sampling_params import SamplingParams
 from shared.step import SeqChunk
 from test_sampling import CHI2_999
-from test_speculative_decoding import top4_probs
+from test_speculative_decoding import run_aborting, top4_probs
 
 MODEL = "smollm2-135m"
 DRAFT_LAYERS = 8
@@ -137,14 +137,7 @@ def test_batched_drafts_with_plain_decodes_prefill_preemption_abort_and_prefix_c
     seqs = [Sequence(list(prompts[i]), greedy(n)) for i, n in zip(chosen, lengths)]
     seqs[1].speculative = False
     doomed = Sequence(list(prompts[chosen[0]]), greedy(20))
-    for s in [doomed] + seqs:
-        engine.add(s)
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        if steps == 4:
-            engine.abort(doomed.seq_id)
+    run_aborting(engine, seqs, doomed, at_step=4)
     for s, i, n in zip(seqs, chosen, lengths):
         assert s.output == reference[i][:n], i
     assert doomed.finish_reason == "abort"

@@ -122,14 +122,7 @@ def test_batched_decodes_with_and_without_drafts_preemption_and_abort(runner, pr
     seqs = [Sequence(list(prompts[i]), greedy(n)) for i, n in zip(chosen, lengths)]
     seqs[1].speculative = seqs[4].speculative = False
     doomed = Sequence(list(prompts[-2]), greedy(24))
-    for s in [doomed] + seqs:
-        engine.add(s)
-    steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-        if steps == 4:
-            engine.abort(doomed.seq_id)
+    run_aborting(engine, seqs, doomed, at_step=4)
     for s, i, n in zip(seqs, chosen, lengths):
         assert s.output == reference[i][:n], i
     assert doomed.finish_reason == "abort"
@@ -148,6 +141,18 @@ class FixedDraft(Proposer):
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return [[self.token] * r.max_tokens for r in requests]
+
+
+def run_aborting(engine, seqs: list, doomed, at_step: int) -> None:
+    """Runs `doomed` and `seqs` to the end, aborting `doomed` after `at_step` engine steps."""
+    for s in [doomed] + seqs:
+        engine.add(s)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps == at_step:
+            engine.abort(doomed.seq_id)
 
 
 def top4_probs(runner, tokens: list[int]) -> dict[int, float]:
