@@ -29,17 +29,24 @@ class AttentionMetadata:
     block_tables: np.ndarray     # int32 [n_seqs, max_blocks], padded with 0
     slot_mapping: np.ndarray     # int64 [n_tokens]: block * block_size + offset for each new K/V
     causal: bool = True
+    # some "sequences" are consecutive positions of one sequence (a verification chunk packed as
+    # decode rows): each row's K/V must be stored before any row attends
+    rows_share_sequences: bool = False
 
     @classmethod
     def for_decode(cls, context_lens: np.ndarray, block_tables: np.ndarray, slot_mapping: np.ndarray,
-                   rows: np.ndarray | None = None, query_lens: np.ndarray | None = None) -> AttentionMetadata:
+                   rows: np.ndarray | None = None, query_lens: np.ndarray | None = None,
+                   rows_share_sequences: bool = False) -> AttentionMetadata:
         """One new causal token per sequence (a decode step; block_tables and context_lens as int64,
         as decode_tables holds them), its derived tables filled in at once:
         each numpy call after a step's weight streams runs cold (a 1-element add: 24-38 us).
-        `rows` (0, 1, ...) and `query_lens` (ones), where the caller made them with its other arrays."""
+        `rows` (0, 1, ...) and `query_lens` (ones), where the caller made them with its other arrays.
+        `rows_share_sequences`: rows at consecutive positions of one sequence, each with the block
+        table of its sequence and its own context length (position + 1)."""
         rows = np.arange(len(context_lens)) if rows is None else rows
         query_lens = np.ones(len(rows), np.int64) if query_lens is None else query_lens
-        meta = cls(query_lens, context_lens, block_tables.astype(np.int32), slot_mapping)
+        meta = cls(query_lens, context_lens, block_tables.astype(np.int32), slot_mapping,
+                   rows_share_sequences=rows_share_sequences)
         meta.__dict__.update(all_decode=True, row_starts=rows, decode_seqs=rows,
                              decode_tables=(rows, block_tables, context_lens))
         return meta

@@ -94,6 +94,51 @@ def test_a_decode_rows_logits_do_not_depend_on_its_batch(model, engines):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_a_verification_chunk_replayed_as_decode_rows_gives_each_positions_plain_decode(model, engines):
+    """Speculative decoding's verification pass: a sequence's last token and 5 drafts packed as 6
+    decode rows of one sequence (each reading the K/V the rows before it store in the same pass),
+    beside another sequence's decode row, is replayed as one program, and each row's logits and
+    K/V are those of decoding the same tokens one step at a time, bit for bit."""
+    runner = engines(model).runner
+    ops = runner.ops
+    if not ops.int8_matmul:
+        pytest.skip("the model's products are not in 8-bit integers here")
+    prompts = [c["prompt_tokens"] for c in load_fixture(model)["generate"][:2]]
+    verified = prefill(runner, 940, prompts[0], 600)
+    stepped = prefill(runner, 941, prompts[0], 700)
+    other = prefill(runner, 942, prompts[1], 800)
+    tokens = np.array([1000 + 37 * j for j in range(6)], np.int64)
+    params = load_params()
+    chunks = [SeqChunk(940, tokens, len(prompts[0]), verified, len(prompts[0]), params=params, num_draft=5),
+              SeqChunk(942, tokens[:1], len(prompts[1]), other, len(prompts[1]), params=params)]
+    ops.graph_replay = True
+    inp, _ = runner._pack(chunks)
+    assert inp.attention.rows_share_sequences and inp.attention.decode_pass and len(inp.token_ids) == 7
+    ops.begin_pass(7, decode=True)
+    logits, argmax = ops.run_logits(runner.model, inp)
+    assert any(key[1] == 7 and replay is not None for key, replay in ops._replays.items()), "not replayed"
+    verified_kv = kv_rows(runner, verified, len(prompts[0]), 6)
+    for j in range(6):
+        one = SeqChunk(941, tokens[j:j + 1], len(prompts[0]) + j, stepped, len(prompts[0]), sample=False)
+        np.testing.assert_array_equal(logits[j], runner.forward_logits([one])[0])
+    for got, want in zip(verified_kv, kv_rows(runner, stepped, len(prompts[0]), 6)):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(argmax, np.argmax(logits, axis=1))
+    ops.graph_replay = False                 # kernel by kernel: every row's K/V stored before attention
+    try:
+        ops.begin_pass(7, decode=True)
+        plain, _ = ops.run_logits(runner.model, inp)
+    finally:
+        ops.graph_replay = True
+    np.testing.assert_array_equal(plain, logits)
+
+
+def load_params():
+    from shared.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=8, temperature=0.0)
+
+
 def graph_replay_max_rows() -> int:
     from kernels.cpu.backend import REPLAY_MAX_ROWS
     return REPLAY_MAX_ROWS

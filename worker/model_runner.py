@@ -117,9 +117,14 @@ class ModelRunner:
         inp, score_rows = self._pack(chunks)
         self.ops.begin_pass(len(inp.token_ids), inp.attention.decode_pass)
         results = [SeqResult(c.seq_id) for c in chunks]
-        if all(c.sample and not c.score_top_k and not c.num_draft for c in chunks):   # one sampled row a chunk
+        if inp.attention.decode_pass and all(c.sample and not c.score_top_k for c in chunks):
+            # one sampled row a chunk, or a verification's rows packed as decode rows
             logits, greedy = self.ops.run_logits(self.model, inp)
-            self._sample(chunks, self.ops.to_numpy(logits), results, greedy)
+            logits = self.ops.to_numpy(logits)
+            if inp.attention.rows_share_sequences:
+                self._sample_and_verify(chunks, logits, results, greedy)
+            else:
+                self._sample(chunks, logits, results, greedy)
             self.tokens_computed += len(inp.token_ids)
             return StepResult(results, len(inp.token_ids))
         hidden = self.ops.run_forward(self.model, inp)
@@ -201,9 +206,35 @@ class ModelRunner:
         self.ops.begin_pass(len(inp.token_ids), inp.attention.decode_pass)
         return self.ops.to_numpy(self.ops.run_logits(self.model, inp)[0])
 
+    def _sample_and_verify(self, chunks: list[SeqChunk], logits: np.ndarray, results: list[SeqResult],
+                           greedy: np.ndarray | None) -> None:
+        """A pass packed by _pack_decode with verification chunks: each chunk's rows in order."""
+        plain, plain_rows = [], []
+        row = 0
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            if c.num_draft:
+                self._verify(c, logits[row:row + n], results[i])
+            else:
+                plain.append(i)
+                plain_rows.append(row)
+            row += n
+        if plain:
+            at = np.array(plain_rows)
+            self._sample([chunks[i] for i in plain], logits[at], [results[i] for i in plain],
+                         greedy[at] if greedy is not None else None)
+
     def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
-        if self.config.causal and all(len(c.token_ids) == 1 and not c.score_top_k for c in chunks):
-            return self._pack_decode(chunks)
+        if self.config.causal and not any(c.score_top_k for c in chunks):
+            if all(len(c.token_ids) == 1 for c in chunks):
+                return self._pack_decode(chunks)
+            # drafts to verify: one decode row a position, when the backend replays such a pass
+            # (kernel by kernel, the chunk is faster as a chunk)
+            rows = sum(len(c.token_ids) for c in chunks)
+            replays = getattr(self.ops, "replays_decode_rows", None)
+            if (replays is not None and replays(rows, True)
+                    and all(len(c.token_ids) == 1 + c.num_draft and c.sample for c in chunks)):
+                return self._pack_decode(chunks)
         return self._pack_chunks(chunks)
 
     def _pack_chunks(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
@@ -234,23 +265,31 @@ class ModelRunner:
     def _pack_decode(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
         """_pack for one token a chunk (the same arrays) in four numpy calls: each runs cold after
         a step's weight streams (a 1-element add: 24-38 us), so the columns are Python lists until
-        one array holds them all."""
+        one array holds them all. A chunk of several tokens (a verification: its last token and
+        drafts) becomes one decode row a position, each with its sequence's block table and
+        its own context: the pass is then marked rows_share_sequences."""
         bs = self.capacity.block_size
         tables, columns = [], []
-        for i, c in enumerate(chunks):
-            block, offset = divmod(c.start_pos, bs)
+        shared = False
+        for c in chunks:
             table = c.block_table.tolist() if isinstance(c.block_table, np.ndarray) else list(c.block_table)
-            if len(table) <= block:
+            end = c.start_pos + len(c.token_ids)
+            if len(table) * bs < end:
                 raise ValueError(f"sequence {c.seq_id}: block table has {len(table)} blocks, "
-                                 f"{block + 1} needed for {c.start_pos + 1} tokens")
-            token = int(c.token_ids[0])
-            tables.append(table)
-            columns.append((c.start_pos, c.start_pos + 1, table[block] * bs + offset, token, 1, i))
-            self._remember(c, [token])
+                                 f"{-(-end // bs)} needed for {end} tokens")
+            tokens = [int(t) for t in c.token_ids]
+            shared = shared or len(tokens) > 1
+            for j, token in enumerate(tokens):
+                pos = c.start_pos + j
+                block, offset = divmod(pos, bs)
+                tables.append(table)
+                columns.append((pos, pos + 1, table[block] * bs + offset, token, 1, len(columns)))
+            self._remember(c, tokens)
         width = max(len(t) for t in tables)
         tables = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
         positions, context_lens, slots, token_ids, ones, rows = np.array(list(zip(*columns)), np.int64)
-        meta = AttentionMetadata.for_decode(context_lens, tables, slots, rows=rows, query_lens=ones)
+        meta = AttentionMetadata.for_decode(context_lens, tables, slots, rows=rows, query_lens=ones,
+                                            rows_share_sequences=shared)
         return ForwardInput(token_ids, positions, meta, rows), rows
 
     def _remember(self, c: SeqChunk, tokens: list[int] | None = None) -> None:

@@ -30,6 +30,10 @@ SGEMM_PADDED_ROWS = (5, 16)
 # replay's buffers grow with its rows (~1.2 MB a row for SmolLM2), and larger batches spend
 # their step in the products rather than between them.
 REPLAY_MAX_ROWS = 4
+# A verification pass (speculative decoding: a sequence's last token and its drafts, packed as
+# decode rows) replays up to this many rows: its alternative is a chunk run kernel by kernel,
+# ~150 compiled calls whose overhead is what drafting must win back.
+VERIFY_REPLAY_MAX_ROWS = 8
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +175,15 @@ class CPUBackend:
             self.graph_replay = False
         return out
 
+    def replays_decode_rows(self, rows: int, rows_share_sequences: bool) -> bool:
+        """Whether a decode pass of `rows` rows would be replayed from a captured program (where
+        capture works for the model)."""
+        limit = VERIFY_REPLAY_MAX_ROWS if rows_share_sequences else REPLAY_MAX_ROWS
+        return self.graph_replay and self.int8_matmul and rows <= limit
+
     def _replay_for(self, model, inp, logits: bool) -> graph_replay.Replay | None:
         rows, meta = len(inp.token_ids), inp.attention
-        if not (self.graph_replay and self.int8_matmul and rows <= REPLAY_MAX_ROWS and meta.decode_pass
+        if not (self.replays_decode_rows(rows, meta.rows_share_sequences) and meta.decode_pass
                 and len(inp.output_rows) == rows):
             return None
         key = (id(model), rows, id(model.kv_caches[0][0]) if model.kv_caches else 0, logits)

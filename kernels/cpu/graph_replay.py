@@ -82,17 +82,19 @@ if available():
     _gelu_row = elementwise.gelu_tanh_gate_row
     _f32_2d = addresses.f32_2d
     from kernels.cpu.replay_ops import (_attention, _matmul, _meet_ahead, _output, _prefetch_start, _rope,
-                                        _row)
+                                        _row, _store_kv)
 
     @njit(parallel=True, cache=True, nogil=True)
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, mats,
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes,
                 positions, token_ids, embedding, f16, output, result, wait_prefetch, greedy, best,
-                stamps, steps):  # pragma: no cover
+                stamps, steps, rows_share):  # pragma: no cover
         """One decode pass, or with steps (int64 [n, rows], n > 1) n passes in a row: after each, the
         rows' greedy tokens are written to steps[s] and become the next pass's input one position on
-        (its K/V slot from the block tables); a NaN or infinite logit (-1) ends the passes there."""
+        (its K/V slot from the block tables); a NaN or infinite logit (-1) ends the passes there.
+        `rows_share`: some rows are positions of one sequence (a verification chunk's), each reading
+        the K/V of those before it, so every attention stores all rows' K/V and meets first."""
         timed = stamps.shape[0] > 0     # stamps[th, 1 + i]: (op i starts, its meeting starts); see Replay.cycle_log
         n_steps = max(1, steps.shape[0])
         block_size = caches[0, 3] if caches.shape[0] > 0 and n_steps > 1 else 1
@@ -131,8 +133,13 @@ if available():
                                            wait_prefetch):
                             break
                     elif code == ATTENTION:
+                        if rows_share:
+                            _store_kv(i, ops, values, rows, th, n_threads, shared, own, caches, slots)
+                            met += 1
+                            if not _meet(sync, n_threads, met, sync, 0, 0):
+                                break
                         _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                                   slots)
+                                   slots, not rows_share)
                         met += 1
                         if timed:
                             stamps[th, i + 1, 1] = _cycles()
@@ -258,7 +265,10 @@ class Replay:
         p = self.program
         rows = p.rows
         step_tokens = self.no_steps
+        rows_share = inp.attention.rows_share_sequences
         if steps > 1:
+            if rows_share:
+                raise ValueError("several steps in one call take one row a sequence")
             if not self.runs_steps:
                 raise ValueError("this replayed program cannot run several steps in one call")
             need = SYNC_CLAIMS + steps * len(p.ops) * self.n_threads
@@ -287,7 +297,7 @@ class Replay:
                 self.mats, self.norms, self.caches,
                 self.rope_cos, self.rope_sin, tables, ctx, meta.slot_mapping, *self.scratch,
                 self.next_matrix, self.prefetch_bytes, inp.positions, inp.token_ids, self.embedding, get_rows.F16,
-                p.output, result, self.wait_prefetch, greedy, self.best, stamps, step_tokens)
+                p.output, result, self.wait_prefetch, greedy, self.best, stamps, step_tokens, rows_share)
         if self.sync[3]:
             backend.embedding(p.embedding, inp.token_ids)           # raises the IndexError that names the id
             raise IndexError(f"a token id of {inp.token_ids.tolist()} is out of the embedding's range")
@@ -346,4 +356,4 @@ def warm_up() -> None:
             *tables, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0,
             np.zeros(1, np.int64), np.zeros(1, np.int64), _read_only(np.zeros(0, np.uint8)), get_rows.F16, 1,
             np.zeros((1, 16), np.float32), 0, np.zeros(0, np.int64), np.zeros((n, 1, 3), np.float64),
-            np.zeros((0, 0, 2), np.int64), np.zeros((0, 0), np.int64))
+            np.zeros((0, 0, 2), np.int64), np.zeros((0, 0), np.int64), False)

@@ -119,12 +119,13 @@ if njit is not None and int8_matmul.available():
 
     @njit(inline="always")
     def _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                   slots):  # pragma: no cover - compiled
+                   slots, store):  # pragma: no cover - compiled
         """Each thread takes a contiguous share of the (row, query head) pairs (split by KV heads,
-        one thread did all of Gemma 3's attention: it has one) and stores the K/V its heads need
-        in the pool's codec as the backend's stores code them (a KV head split between the
-        threads is stored by both, each writing only the final values); the queries are rounded
-        to float16 too, as the rowwise kernels do."""
+        one thread did all of Gemma 3's attention: it has one) and, with `store`, stores the K/V
+        its heads need in the pool's codec as the backend's stores code them (a KV head split
+        between the threads is stored by both, each writing only the final values); the queries
+        are rounded to float16 too, as the rowwise kernels do. Without `store` the rows' K/V were
+        stored by _store_kv before a meeting (rows of one sequence read each other's)."""
         dst, q_v, k_v, v_v = ops[i, 1], ops[i, 2], ops[i, 3], ops[i, 4]
         k_cache, v_cache = _u8_4d(caches, 2 * ops[i, 5]), _u8_4d(caches, 2 * ops[i, 5] + 1)
         codec = caches[2 * ops[i, 5], CACHE_CODEC]
@@ -138,11 +139,12 @@ if njit is not None and int8_matmul.available():
             b, h = task // n_heads, task % n_heads
             kv = h // group
             run_end = min(end, b * n_heads + (kv + 1) * group)      # this KV head's heads in row b
-            block, offset = slots[b] // block_size, slots[b] % block_size
-            _encode_row(_row(values, k_v, b, shared, own)[kv * dim:(kv + 1) * dim], k_cache[kv, block, offset],
-                        codec)
-            _encode_row(_row(values, v_v, b, shared, own)[kv * dim:(kv + 1) * dim], v_cache[kv, block, offset],
-                        codec)
+            if store:
+                block, offset = slots[b] // block_size, slots[b] % block_size
+                _encode_row(_row(values, k_v, b, shared, own)[kv * dim:(kv + 1) * dim],
+                            k_cache[kv, block, offset], codec)
+                _encode_row(_row(values, v_v, b, shared, own)[kv * dim:(kv + 1) * dim],
+                            v_cache[kv, block, offset], codec)
             g0 = h - kv * group
             g1 = g0 + run_end - task
             for g in range(g0, g1):
@@ -152,6 +154,21 @@ if njit is not None and int8_matmul.available():
             _attend(q, k_cache, v_cache, codec, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out,
                     b, kv, g0, g1, True)
             task = run_end
+
+    @njit(inline="always")
+    def _store_kv(i, ops, values, rows, th, n_threads, shared, own, caches, slots):  # pragma: no cover - compiled
+        """The K/V rows of attention operation i, each (row, KV head) stored by one thread (its
+        contiguous share of them): the first phase of a pass whose rows share a sequence (a
+        verification chunk's drafted positions), whose attention then meets before reading them."""
+        k_v, v_v = ops[i, 3], ops[i, 4]
+        k_cache, v_cache = _u8_4d(caches, 2 * ops[i, 5]), _u8_4d(caches, 2 * ops[i, 5] + 1)
+        codec = caches[2 * ops[i, 5], CACHE_CODEC]
+        n_kv, block_size, dim = k_cache.shape[0], k_cache.shape[2], _values_in(codec, k_cache.shape[3])
+        for task in range(rows * n_kv * th // n_threads, rows * n_kv * (th + 1) // n_threads):
+            b, kv = task // n_kv, task % n_kv
+            block, offset = slots[b] // block_size, slots[b] % block_size
+            _encode_row(_row(values, k_v, b, shared, own)[kv * dim:(kv + 1) * dim], k_cache[kv, block, offset], codec)
+            _encode_row(_row(values, v_v, b, shared, own)[kv * dim:(kv + 1) * dim], v_cache[kv, block, offset], codec)
 
     @njit(inline="always")
     def _rope(i, ops, values, rows, shared, own, rope_cos, rope_sin, positions):  # pragma: no cover - compiled
