@@ -137,9 +137,11 @@ class Result:
         return ((self.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
-async def send(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Result:
+async def send(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+               sampling: dict | None = None) -> Result:
+    """One streamed completion, greedy unless `sampling` (body fields: temperature, seed, ...) says."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(sampling or {})}
     r = Result(sent=time.perf_counter())
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -187,14 +189,17 @@ def summarize(results: list[Result], duration: float) -> dict:
             "errors": sorted({r.error for r in results if r.error})[:3]}
 
 
-async def run_level(client: httpx.AsyncClient, model: str, prompts: list[str], c: int, max_tokens: int) -> dict:
+async def run_level(client: httpx.AsyncClient, model: str, prompts: list[str], c: int, max_tokens: int,
+                    temperature: float = 0.0) -> dict:
+    """The prompts with at most c in flight; temperature > 0: sampled, request i with seed i."""
     sem = asyncio.Semaphore(c)
 
-    async def one(prompt: str) -> Result:
+    async def one(i: int, prompt: str) -> Result:
         async with sem:
-            return await send(client, model, prompt, max_tokens)
+            sampling = {"temperature": temperature, "seed": i} if temperature > 0 else None
+            return await send(client, model, prompt, max_tokens, sampling)
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(one(p) for p in prompts))
+    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     return summarize(results, time.perf_counter() - t0)
 
 
