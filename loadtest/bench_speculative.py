@@ -177,6 +177,12 @@ def measure(base: str, model: str, workload: str, args, rng: random.Random) -> d
     return row
 
 
+# Every stack computes its prompts itself: with prefix checkpoints on, the stacks would share the
+# default checkpoint directory, and a stack measured after another would restore the prompts that
+# one computed (the same prompts each round), so the first stack alone would pay for its prefills.
+PRIVATE = ["--no-prefix-checkpoints"]
+
+
 def configurations(args) -> dict[str, list[str]]:
     configs = {"off": ["--speculative", "off"], "ngram": ["--speculative", "ngram"]}
     if args.ungoverned:
@@ -274,7 +280,7 @@ def main() -> int:
         bases = {}
         for name, flags in configs.items():
             print(f"starting {name} ...", file=sys.stderr, flush=True)
-            bases[name] = stack.enter_context(started_server(args.model, [*args.serve_arg, *flags]))
+            bases[name] = stack.enter_context(started_server(args.model, [*PRIVATE, *args.serve_arg, *flags]))
             asyncio.run(single_stream(bases[name], args.model, ["Warm-up: say hello."], 8))
         for i in range(args.rounds):
             for w in workloads:
