@@ -8,6 +8,7 @@ from scheduler.speculative.controller import SpeculativeController, SpeculativeS
 from scheduler.speculative.draft_model import DraftModelProposer
 from scheduler.speculative.governor import BucketState, CostGovernor
 from scheduler.speculative.ngram import NgramProposer
+from scheduler.speculative.sequence_backoff import SequenceBackoff
 
 # `--speculative NAME`; "draft" asks the worker's draft model (--draft-model) for the tokens
 PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "draft": DraftModelProposer}
@@ -17,17 +18,20 @@ METHODS = ("off", "ngram", "draft")
 def make_controller(method: str, num_speculative_tokens: int = 5, prompt_lookup_min: int = 1,
                     prompt_lookup_max: int = 4, governor: bool = True) -> SpeculativeController | None:
     """The engine's controller for `--speculative METHOD`, or None for "off"; with a cost governor
-    (`--speculative-governor`, on by default) unless `governor` is False."""
+    and per-sequence backoff (`--speculative-governor`, on by default) unless `governor` is False."""
     if method == "off":
         return None
     if method == "draft":
-        return SpeculativeController(DraftModelProposer(), num_speculative_tokens,
-                                     CostGovernor() if governor else None)
-    if method != "ngram":
+        proposer: Proposer = DraftModelProposer()
+    elif method == "ngram":
+        proposer = NgramProposer(prompt_lookup_min, prompt_lookup_max)
+    else:
         raise ValueError(f"unknown speculative method {method!r}: one of {', '.join(METHODS)}")
-    proposer = NgramProposer(prompt_lookup_min, prompt_lookup_max)
-    return SpeculativeController(proposer, num_speculative_tokens, CostGovernor() if governor else None)
+    if not governor:
+        return SpeculativeController(proposer, num_speculative_tokens)
+    return SpeculativeController(proposer, num_speculative_tokens, CostGovernor(), SequenceBackoff())
 
 
 __all__ = ["DraftRequest", "Proposer", "NgramProposer", "DraftModelProposer", "PROPOSERS", "METHODS",
-           "SpeculativeController", "SpeculativeStats", "CostGovernor", "BucketState", "make_controller"]
+           "SpeculativeController", "SpeculativeStats", "CostGovernor", "BucketState", "SequenceBackoff",
+           "make_controller"]

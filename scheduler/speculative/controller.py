@@ -4,8 +4,9 @@ verified chunk leaves of the sequence.
 Called from a few points of scheduler/engine.py: `draft` after the step's decodes are planned
 (before prompt chunks take the rest of the token budget), `settle` when a chunk with drafts
 comes back, `forget` when a sequence leaves, `holds_pipelining` before a step is launched ahead,
-`record` with each decode-only step's time. With a cost governor (governor.py), drafting runs
-only for batch sizes where it pays: where the governor has paused it, `draft` returns at once
+`record` with each decode-only step's time. With the governor on, a sequence whose drafts are
+all rejected also backs off drafting by itself for a while (sequence_backoff.py); and drafting runs
+only for batch sizes where it pays (governor.py): where the governor has paused it, `draft` returns at once
 and `holds_pipelining` is False, so the step is the one speculation off would have scheduled.
 The worker does the arithmetic (it owns sampling): the chunk [last, d1..dk] is verified in the
 step's one forward, and it answers with the accepted drafts and one token of its own after them.
@@ -22,6 +23,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence
 from scheduler.speculative.base import DraftRequest, Proposer
 from scheduler.speculative.governor import CostGovernor
+from scheduler.speculative.sequence_backoff import SequenceBackoff
 from shared.step import SeqChunk, SeqResult
 
 
@@ -38,13 +40,15 @@ class SpeculativeStats:
 
 
 class SpeculativeController:
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, governor: CostGovernor | None = None):
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, governor: CostGovernor | None = None,
+                 backoff: SequenceBackoff | None = None):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.stats = SpeculativeStats()
         self.governor = governor          # None: always draft
+        self.backoff = backoff            # None: a sequence drafts whatever its last verdicts
 
     @property
     def method(self) -> str:
@@ -63,8 +67,11 @@ class SpeculativeController:
         """A step launched ahead carries no drafts (its input token is not known yet): while some
         sequence could draft, steps are scheduled one at a time instead. Not where the governor
         has paused drafting for this batch size: there steps pipeline as without speculation."""
-        return self.drafting(len(seqs)) and any(self.may_draft(s) and s.params.max_tokens - len(s.output) >= 3
+        return self.drafting(len(seqs)) and any(self._may_draft_now(s) and s.params.max_tokens - len(s.output) >= 3
                                                 for s in seqs)
+
+    def _may_draft_now(self, seq: Sequence) -> bool:
+        return self.may_draft(seq) and (self.backoff is None or self.backoff.allows(seq))
 
     def record(self, batch_size: int, drafting: bool, emitted: int, seconds: float) -> None:
         """A decode-only step's cost, for the governor (see governor.py for what is measured)."""
@@ -82,7 +89,7 @@ class SpeculativeController:
             return budget, free
         candidates = []
         for i, (seq, n) in enumerate(plan):
-            if n != 1 or seq.num_computed != seq.num_tokens - 1 or not self.may_draft(seq):
+            if n != 1 or seq.num_computed != seq.num_tokens - 1 or not self._may_draft_now(seq):
                 continue
             # the target's own token always comes after the drafts: leave room for it
             limit = min(self.k, seq.params.max_tokens - len(seq.output) - 1,
@@ -113,6 +120,8 @@ class SpeculativeController:
         self.stats.drafts += 1
         self.stats.draft_tokens += chunk.num_draft
         self.stats.accepted_tokens += accepted
+        if self.backoff is not None:
+            self.backoff.verdict(seq, accepted)
         seq.draft_tokens = []
         kept = chunk.start_pos + len(chunk.token_ids) - chunk.num_draft + accepted
         seq.num_computed = min(kept, seq.num_computed)
@@ -121,3 +130,5 @@ class SpeculativeController:
     def forget(self, seq: Sequence) -> None:
         seq.draft_tokens = []
         self.proposer.forget(seq.seq_id)
+        if self.backoff is not None:
+            self.backoff.forget(seq.seq_id)
