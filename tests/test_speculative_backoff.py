@@ -42,6 +42,19 @@ def test_fruitless_verifications_double_the_skip_and_an_accepted_draft_resets_it
         SequenceBackoff(first_skip=0)
 
 
+def test_with_backoff_the_pipeline_is_held_once_a_quarter_of_the_batch_may_draft():
+    spec = SpeculativeController(NgramProposer(1, 4), 4, backoff=SequenceBackoff())
+    seqs = [Sequence([1, 2, 3], greedy(50)) for _ in range(8)]
+    assert spec.holds_pipelining(seqs)
+    for s in seqs[:7]:
+        spec.backoff.verdict(s, accepted=0)
+    assert not spec.holds_pipelining(seqs)          # 1 of 8 ready: launched ahead, no drafts
+    spec.backoff.verdict(seqs[6], accepted=2)
+    assert spec.holds_pipelining(seqs)              # 2 of 8
+    assert spec.holds_pipelining(seqs[7:])          # one stream: itself
+    assert SpeculativeController(NgramProposer(1, 4), 4).holds_pipelining(seqs[7:] + seqs[:6])   # no backoff
+
+
 class WrongFor(Proposer):
     """Always-wrong drafts (the vocabulary's last token) for the sequences in `wrong`, prompt
     lookup for the others."""

@@ -27,6 +27,12 @@ from scheduler.speculative.sequence_backoff import SequenceBackoff
 from shared.step import SeqChunk, SeqResult
 
 
+# With per-sequence backoff, the launch-ahead pipeline is held for drafting only once at least
+# 1 / HOLD_SHARE of the running sequences may draft: under 32 streams whose drafts are rejected,
+# each sequence coming out of its backoff at its own step would otherwise hold nearly every step.
+HOLD_SHARE = 4
+
+
 @dataclass
 class SpeculativeStats:
     drafts: int = 0            # sequence-steps that carried drafted tokens
@@ -67,8 +73,14 @@ class SpeculativeController:
         """A step launched ahead carries no drafts (its input token is not known yet): while some
         sequence could draft, steps are scheduled one at a time instead. Not where the governor
         has paused drafting for this batch size: there steps pipeline as without speculation."""
-        return self.drafting(len(seqs)) and any(self._may_draft_now(s) and s.params.max_tokens - len(s.output) >= 3
-                                                for s in seqs)
+        if not self.drafting(len(seqs)):
+            return False
+        ready = sum(1 for s in seqs if self._may_draft_now(s) and s.params.max_tokens - len(s.output) >= 3)
+        if self.backoff is None:
+            return ready > 0
+        # with backoff, a few sequences ready to draft again do not stop the whole batch's pipeline:
+        # they wait (launched-ahead steps carry no drafts) until a share of the batch is ready
+        return ready > 0 and ready * HOLD_SHARE >= len(seqs)
 
     def _may_draft_now(self, seq: Sequence) -> bool:
         return self.may_draft(seq) and (self.backoff is None or self.backoff.allows(seq))

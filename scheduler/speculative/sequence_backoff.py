@@ -7,8 +7,9 @@ text simply does not repeat (sampled at a high temperature, or open-ended) says 
 verification. After a verification that accepts none of its drafts, the sequence skips drafting
 for its next `first_skip` tokens, twice as many after each further fruitless one (up to
 `max_skip`); one accepted draft resets it. A sequence backing off neither drafts nor holds the
-launch-ahead pipeline (SpeculativeController.holds_pipelining), so where every sequence of a
-batch backs off the step is the one speculation off schedules.
+launch-ahead pipeline (SpeculativeController.holds_pipelining, which with backoff holds it only
+once a quarter of the batch may draft), so where the sequences of a batch back off the steps are
+the ones speculation off schedules.
 """
 from __future__ import annotations
 
