@@ -18,6 +18,7 @@ from shared.model_config import ModelConfig
 from shared.sampling_params import SamplingParams
 from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 from worker.config import DEFAULT_KV_MEMORY
+from worker.diffusion.canvas_step import CanvasStep
 from worker.draft_model import DraftModel, check_vocabulary
 from worker.kv_pool import DEFAULT_CODEC, KVPool, plan_capacity
 from worker.models import ForwardInput, model_class
@@ -75,6 +76,8 @@ class ModelRunner:
                      draft_gguf.path.name, self.drafter.config.architecture, self.drafter.config.n_layers,
                      ", the target's own weights" if same else "", self.capacity.num_blocks)
         self.sampler = Sampler()
+        # a text-diffusion model runs canvases (worker/diffusion/), not the paged AR steps below
+        self.canvas = CanvasStep(self.model, self.ops, self.config) if not self.config.causal else None
         self._seqs: dict[int, _SeqState] = {}
         self.tokens_computed = 0
         log.info("loaded %s (%s, %d layers) in %.1fs; products: %s", self.gguf.path.name,
@@ -87,10 +90,17 @@ class ModelRunner:
             self._seqs.pop(seq_id, None)
             if self.drafter is not None:
                 self.drafter.forget(seq_id)
+            if self.canvas is not None:
+                self.canvas.forget(seq_id)
         self.kv.copy_blocks(request.copy_blocks)
         chunks = request.chunks
         if not chunks:
             return StepResult([], 0)
+        if self.canvas is not None:
+            return self.canvas.execute(chunks)
+        if any(c.diffusion is not None for c in chunks):
+            raise ValueError(f"{self.gguf.path.name} ({self.config.architecture}) is not a text-diffusion model: "
+                             "it cannot run diffusion canvases")
         for c in chunks:
             if len(c.token_ids) == 1 and int(c.token_ids[0]) == -1:
                 state = self._seqs.get(c.seq_id)
