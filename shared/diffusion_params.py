@@ -9,9 +9,9 @@ shows them as they are.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
-__all__ = ["DiffusionParams", "LLAMA_CPP_ALGORITHMS", "THRESHOLD_ALGORITHMS", "ALGORITHMS"]
+__all__ = ["DiffusionParams", "diffusion_flags", "LLAMA_CPP_ALGORITHMS", "THRESHOLD_ALGORITHMS", "ALGORITHMS"]
 
 # llama.cpp's block schedule: each step commits a count fixed by the schedule
 LLAMA_CPP_ALGORITHMS = ("confidence", "entropy", "margin", "random", "origin")
@@ -22,16 +22,25 @@ ALGORITHMS = LLAMA_CPP_ALGORITHMS + THRESHOLD_ALGORITHMS
 
 @dataclass(frozen=True)
 class DiffusionParams:
-    gen_length: int = 64              # canvas positions after the prompt
-    steps: int = 64                   # denoising steps in all (llama.cpp's schedule: steps / blocks each)
-    block_length: int = 32
-    algorithm: str = "confidence"
-    temperature: float = 0.0          # 0: each position's argmax
-    top_k: int = 0                    # 0: off
-    top_p: float = 1.0                # 1: off
-    seed: int = 0
-    threshold: float = 0.9            # low_confidence: commit masked positions with p >= threshold
-    gamma: float = 1.0                # entropy_bound: commit while the summed entropy <= gamma
+    # each field's help is the `tensorserve diffuse` flag's (--gen-length, ...): defined once here
+    gen_length: int = field(default=64, metadata={"help": "canvas tokens to generate after the prompt; with the "
+                            "prompt, a multiple of --block-length (llama.cpp: -ub = prompt + gen-length)"})
+    steps: int = field(default=64, metadata={"help": "denoising steps in all, a multiple of the number of blocks "
+                       "(each block gets steps / blocks); ignored by low_confidence and entropy_bound"})
+    block_length: int = field(default=32, metadata={"help": "tokens per block; blocks are denoised one after "
+                              "another, the first starting after the prompt"})
+    algorithm: str = field(default="confidence", metadata={"help": "which masked positions a step commits: "
+                           "confidence, entropy, margin, random, origin (llama.cpp), low_confidence (p >= "
+                           "--threshold), entropy_bound (summed entropy <= --gamma)"})
+    temperature: float = field(default=0.0, metadata={"help": "0 takes each position's argmax (default); > 0 "
+                               "samples as llama-diffusion-cli's --temp"})
+    top_k: int = field(default=0, metadata={"help": "keep the k best tokens of a position, 0 = off"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus mass of a position's candidates, 1 = off"})
+    seed: int = field(default=0, metadata={"help": "seed of the sampling and of the random/origin algorithms"})
+    threshold: float = field(default=0.9, metadata={"help": "low_confidence: commit the masked positions whose "
+                             "token probability is >= this, in (0, 1]"})
+    gamma: float = field(default=1.0, metadata={"help": "entropy_bound: commit the lowest-entropy positions "
+                         "while their summed entropy is <= this"})
 
     @property
     def fixed_counts(self) -> bool:
@@ -75,3 +84,9 @@ class DiffusionParams:
             raise ValueError(f"--steps {self.steps} must be a multiple of the {n_blocks} blocks "
                              f"((prompt + --gen-length) / --block-length), e.g. --steps {n_blocks * max(1, self.steps // n_blocks)}")
         return n_blocks
+
+
+def diffusion_flags() -> list[tuple[str, str, type, object, str]]:
+    """(flag, field name, type, default, help) of every field, for the CLI."""
+    return [("--" + f.name.replace("_", "-"), f.name, type(f.default), f.default, f.metadata["help"])
+            for f in fields(DiffusionParams)]

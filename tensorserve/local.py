@@ -117,6 +117,10 @@ class LocalEngine:
         if self.diffusion is None:
             raise ValueError(f"{self.path.name} ({self.config.architecture}) is not a text-diffusion model: "
                              "use `tensorserve generate`")
+        total = len(prompt) + params.gen_length
+        if total > self.config.context_length:
+            raise ValueError(f"the prompt's {len(prompt)} tokens + --gen-length {params.gen_length} exceed the "
+                             f"model's context of {self.config.context_length} tokens; lower --gen-length")
         return DiffusionRequest(list(prompt), params, self.config.mask_token_id, **callbacks)
 
     def diffuse(self, prompts: list[list[int]], params: DiffusionParams | list[DiffusionParams]) -> list[list[int]]:
