@@ -60,11 +60,11 @@ def _candidates(logits: np.ndarray, params: DiffusionParams) -> tuple[np.ndarray
     filtered (llama.cpp sorts them then), in id order otherwise. Ties: the lower id first."""
     ids = np.arange(logits.shape[0])
     vals = logits
+    if 0 < params.top_k < len(ids):
+        ids = np.argpartition(-logits, params.top_k - 1)[:params.top_k]
     if params.top_k > 0 or params.top_p < 1.0:
-        order = np.lexsort((ids, -logits))
-        if params.top_k > 0:
-            order = order[:params.top_k]
-        ids, vals = ids[order], logits[order]
+        ids = ids[np.lexsort((ids, -logits[ids]))]
+        vals = logits[ids]
     if params.top_p < 1.0 and len(ids) > 1:
         p = _softmax(vals)
         keep = int(np.searchsorted(np.cumsum(p, dtype=np.float64), params.top_p)) + 1
@@ -80,8 +80,10 @@ def _softmax(vals: np.ndarray) -> np.ndarray:
 
 def _stats(p: np.ndarray) -> tuple[float, float]:
     entropy = -float(np.sum(p * np.log(p + np.float32(ENTROPY_EPSILON)), dtype=np.float32))
-    top2 = np.sort(p)[-2:] if len(p) > 1 else p
-    return entropy, float(top2[-1] - top2[0]) if len(p) > 1 else float(p[0])
+    if len(p) == 1:
+        return entropy, float(p[0])
+    top2 = np.partition(p, len(p) - 2)[-2:]
+    return entropy, float(top2[1] - top2[0])
 
 
 def draw_one(logits: np.ndarray, params: DiffusionParams, rng: DiffusionRandom) -> tuple[int, float, float, float]:
@@ -94,8 +96,8 @@ def draw_one(logits: np.ndarray, params: DiffusionParams, rng: DiffusionRandom) 
     vals = (vals / np.float32(params.temperature)).astype(np.float32)
     p = _softmax(vals)
     target = rng.dist.uniform_double()        # llama.cpp draws once even for one candidate
-    e = np.exp((vals - vals.max()).astype(np.float32)).astype(np.float64)
-    chosen = int(np.searchsorted(np.cumsum(e), e.sum() * target))
+    running = np.cumsum(np.exp((vals - vals.max()).astype(np.float32)), dtype=np.float64)   # in order, as llama.cpp
+    chosen = int(np.searchsorted(running, running[-1] * target))
     chosen = min(chosen, len(ids) - 1)
     return int(ids[chosen]), float(p[chosen]), *_stats(p)
 
