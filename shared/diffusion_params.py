@@ -81,8 +81,9 @@ class DiffusionParams:
                              f"e.g. --gen-length {self.gen_length + (-total) % self.block_length}")
         n_blocks = total // self.block_length
         if self.fixed_counts and self.steps % n_blocks:
+            suggestion = n_blocks * max(1, self.steps // n_blocks)
             raise ValueError(f"--steps {self.steps} must be a multiple of the {n_blocks} blocks "
-                             f"((prompt + --gen-length) / --block-length), e.g. --steps {n_blocks * max(1, self.steps // n_blocks)}")
+                             f"((prompt + --gen-length) / --block-length), e.g. --steps {suggestion}")
         return n_blocks
 
 

@@ -30,7 +30,8 @@ def _weights(seed: int = 0) -> dict[str, np.ndarray]:
                   p + "attn_k.weight": mat(KV_HEADS * HEAD, D), p + "attn_k.bias": vec(KV_HEADS * HEAD, 0.5),
                   p + "attn_v.weight": mat(KV_HEADS * HEAD, D), p + "attn_v.bias": vec(KV_HEADS * HEAD, 0.5),
                   p + "attn_output.weight": mat(D, HEADS * HEAD),
-                  p + "ffn_gate.weight": mat(FF, D), p + "ffn_up.weight": mat(FF, D), p + "ffn_down.weight": mat(D, FF)})
+                  p + "ffn_gate.weight": mat(FF, D), p + "ffn_up.weight": mat(FF, D),
+                  p + "ffn_down.weight": mat(D, FF)})
     return w
 
 

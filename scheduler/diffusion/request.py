@@ -7,8 +7,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
-
 from scheduler.diffusion.schedule import BlockSchedule
 from shared.diffusion_params import DiffusionParams
 from shared.step import DiffusionStep, SeqResult
