@@ -66,7 +66,7 @@ def test_a_block_whose_steps_are_spent_ends_with_its_masks():
 def test_threshold_algorithms_take_steps_until_the_block_has_no_mask():
     r = DiffusionRequest([5], DiffusionParams(gen_length=3, steps=1, block_length=2, algorithm="low_confidence"),
                          mask_token_id=99)
-    assert r.schedule.blocks == [(1, 2), (2, 4)] and r.next_step().transfer_count == -1
+    assert r.schedule.blocks == [(1, 3), (3, 4)] and r.next_step().transfer_count == -1
     for _ in range(5):
         r.apply(SeqResult(r.seq_id))                   # nothing committed: the block goes on
     assert r.block == 0 and not r.finished
