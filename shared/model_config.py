@@ -12,7 +12,8 @@ from shared.gguf_file import GGUFFile
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rope_neox": False},
     "gemma3": {"rope_neox": True, "swa_pattern": 6, "rope_base_swa": 10000.0, "embed_scale": True},
-    "llada": {"rope_neox": False, "causal": False},
+    "llada": {"rope_neox": False, "causal": False, "shift_logits": False},
+    "dream": {"rope_neox": True, "causal": False, "shift_logits": True},
 }
 
 
@@ -37,6 +38,10 @@ class ModelConfig:
     rope_base_swa: float = 0.0
     embed_scale: bool = False
     causal: bool = True
+    # text diffusion (causal False): the token that marks a canvas position still to generate, and
+    # whether position i's prediction is row i - 1's logits (Dream) rather than row i's (LLaDA)
+    mask_token_id: int = -1
+    shift_logits: bool = False
     fingerprint: str = ""
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -70,6 +75,10 @@ class ModelConfig:
         vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
         if not vocab and "token_embd.weight" in gguf.tensors:
             vocab = gguf.tensors["token_embd.weight"].shape[0]
+        causal = bool(defaults.get("causal", True))
+        if not causal and "tokenizer.ggml.mask_token_id" not in md:
+            raise GGUFError(gguf.path, f"{arch} is a text-diffusion architecture but the file has no "
+                                       "tokenizer.ggml.mask_token_id; re-convert it with a current convert_hf_to_gguf.py")
         return cls(
             architecture=arch,
             name=str(md.get("general.name", gguf.path.stem)),
@@ -89,7 +98,10 @@ class ModelConfig:
             swa_pattern=int(defaults.get("swa_pattern", 0)),
             rope_base_swa=float(defaults.get("rope_base_swa", 0.0)),
             embed_scale=bool(defaults.get("embed_scale", False)),
-            causal=bool(defaults.get("causal", True)),
+            causal=causal,
+            mask_token_id=int(md.get("tokenizer.ggml.mask_token_id", -1)),
+            # llama.cpp: the file's diffusion.shift_logits, else shifted (its default for Dream)
+            shift_logits=bool(md.get("diffusion.shift_logits", defaults.get("shift_logits", False))),
             fingerprint=model_fingerprint(gguf),
         )
 

@@ -9,7 +9,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shared.diffusion_params import DiffusionParams
 from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class DiffusionStep:
+    """What a diffusion canvas's chunk asks of the worker beyond its forward: the masked positions
+    in [block_start, block_end) of the canvas are the candidates; the worker's sampler
+    (worker/diffusion/) picks which of them to commit and with what token."""
+    block_start: int
+    block_end: int
+    # llama.cpp's schedule: how many to commit this step (0 commits none but still draws the
+    # step's random numbers, as llama.cpp does); -1: the algorithm decides (low_confidence,
+    # entropy_bound)
+    transfer_count: int
+    params: DiffusionParams
 
 
 @dataclass
@@ -32,6 +47,11 @@ class SeqChunk:
     # them against its own next-token choices at each of the last num_draft + 1 positions and
     # answers with the accepted ones (SeqResult.accepted_ids) and one token of its own after them
     num_draft: int = 0
+    # a text-diffusion canvas: token_ids is the whole [prompt | canvas] from position 0, run as one
+    # non-causal chunk that needs no KV blocks (block_table empty); the worker answers with the
+    # positions it commits (SeqResult.committed_positions / committed_ids). With score_top_k and
+    # no diffusion step, a diffusion model scores each position's own logits.
+    diffusion: DiffusionStep | None = None
 
 
 @dataclass
@@ -61,6 +81,9 @@ class SeqResult:
     # of the first rejected one, or the bonus token after all of them)
     accepted_ids: list[int] = field(default_factory=list)
     accepted_logprobs: list[float] = field(default_factory=list)
+    # a diffusion chunk: canvas positions committed this step and their tokens, in commit order
+    committed_positions: np.ndarray | None = None
+    committed_ids: np.ndarray | None = None
 
 
 @dataclass

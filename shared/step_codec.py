@@ -11,11 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from protos.tensorserve.v1 import common_pb2, worker_pb2
+from shared.diffusion_params import DiffusionParams
 from shared.sampling_params import SamplingParams
 from shared.tensor_codec import TensorCodec
-from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
+from shared.step import DiffusionStep, SeqChunk, SeqResult, StepRequest, StepResult
 
-__all__ = ["sampling_params_to_proto", "sampling_params_from_proto", "step_request_to_proto",
+__all__ = ["sampling_params_to_proto", "sampling_params_from_proto", "diffusion_params_to_proto",
+           "diffusion_params_from_proto", "step_request_to_proto",
            "step_request_from_proto", "step_result_to_proto", "step_result_from_proto"]
 
 _INT_FIELDS = ("max_tokens", "top_k")
@@ -58,6 +60,24 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
     return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
 
 
+# ----------------------------------------------------------------- diffusion parameters
+_DIFFUSION_FIELDS = tuple(f for f in DiffusionParams.__dataclass_fields__)
+
+
+def diffusion_params_to_proto(params: DiffusionParams,
+                              out: common_pb2.DiffusionParams | None = None) -> common_pb2.DiffusionParams:
+    """Every field is written (with presence), so the receiver gets exactly these values."""
+    msg = common_pb2.DiffusionParams() if out is None else out
+    for name in _DIFFUSION_FIELDS:
+        setattr(msg, name, getattr(params, name))
+    return msg
+
+
+def diffusion_params_from_proto(msg: common_pb2.DiffusionParams) -> DiffusionParams:
+    """Unset fields take DiffusionParams' defaults. Not validated: call .validate() on untrusted input."""
+    return DiffusionParams(**{name: getattr(msg, name) for name in _DIFFUSION_FIELDS if msg.HasField(name)})
+
+
 # ----------------------------------------------------------------- step request
 def step_request_to_proto(request: StepRequest, codec: TensorCodec | None = None,
                           step_id: int = 0) -> worker_pb2.StepRequest:
@@ -80,6 +100,11 @@ def step_request_to_proto(request: StepRequest, codec: TensorCodec | None = None
         if c.score_targets is not None:
             codec.encode_into(np.asarray(c.score_targets, np.int64), m.score_targets)
         m.num_draft = int(c.num_draft)
+        if c.diffusion is not None:
+            d = c.diffusion
+            m.diffusion.block_start, m.diffusion.block_end = int(d.block_start), int(d.block_end)
+            m.diffusion.transfer_count = int(d.transfer_count)
+            diffusion_params_to_proto(d.params, m.diffusion.params)
     msg.finished[:] = [int(s) for s in request.finished]
     for src, dst in request.copy_blocks:
         msg.copy_blocks.add(src=int(src), dst=int(dst))
@@ -101,6 +126,9 @@ def step_request_from_proto(msg: worker_pb2.StepRequest, codec: TensorCodec | No
             prefix_ids=codec.decode(m.prefix_ids) if m.HasField("prefix_ids") else None,
             score_targets=codec.decode(m.score_targets) if m.HasField("score_targets") else None,
             num_draft=m.num_draft,
+            diffusion=DiffusionStep(m.diffusion.block_start, m.diffusion.block_end, m.diffusion.transfer_count,
+                                    diffusion_params_from_proto(m.diffusion.params))
+            if m.HasField("diffusion") else None,
         )
         for m in msg.chunks
     ]
@@ -132,6 +160,9 @@ def _results_to_proto(results: list[SeqResult], out, codec: TensorCodec) -> None
         if r.accepted_ids:
             m.accepted_ids[:] = [int(t) for t in r.accepted_ids]
             m.accepted_logprobs[:] = [float(x) for x in r.accepted_logprobs]
+        if r.committed_positions is not None:
+            m.committed_positions[:] = [int(p) for p in r.committed_positions]
+            m.committed_ids[:] = [int(t) for t in r.committed_ids]
         for name in _RESULT_ARRAYS:
             value = getattr(r, name)
             if value is not None:
@@ -142,9 +173,12 @@ def _results_from_proto(messages, codec: TensorCodec) -> list[SeqResult]:
     results = []
     for m in messages:
         arrays = {name: codec.decode(getattr(m, name)) if m.HasField(name) else None for name in _RESULT_ARRAYS}
+        # a diffusion step that committed nothing reads back as None, which the scheduler takes as none
+        committed = (np.array(m.committed_positions, np.int64), np.array(m.committed_ids, np.int64)) \
+            if len(m.committed_positions) else (None, None)
         results.append(SeqResult(seq_id=m.seq_id, token_id=m.token_id, logprob=m.logprob,
                                  accepted_ids=list(m.accepted_ids), accepted_logprobs=list(m.accepted_logprobs),
-                                 **arrays))
+                                 committed_positions=committed[0], committed_ids=committed[1], **arrays))
     return results
 
 

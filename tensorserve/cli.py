@@ -19,6 +19,8 @@ from worker.config import WorkerConfig
 MODEL_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level"))
 ENGINE_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level", "kv_memory", "kv_cache_dtype",
                                                 "threads"))
+DIFFUSE_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level", "threads")) \
+    + options_of(RouterConfig, only=("chat_template",))
 GENERATE_OPTIONS = ENGINE_OPTIONS + options_of(RouterConfig, only=("chat_template",)) \
     + options_of(SchedulerConfig, only=SPECULATIVE_OPTIONS) + options_of(WorkerConfig, only=("draft_model",))
 
@@ -88,6 +90,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     opts = _configured(args, GENERATE_OPTIONS)
     if isinstance(opts, int):
         return opts
+    if _is_diffusion_model(opts["model"]):
+        raise ValueError(f"--model {opts['model']} is a text-diffusion model: generate with `tensorserve diffuse` "
+                         "(--gen-length, --steps, --block-length, --algorithm)")
     from router.chat_template import ChatTemplate
     from router.detokenizer import IncrementalDetokenizer
     from shared.sampling_params import SamplingParams
@@ -114,6 +119,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(detok.feed(token))
         sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
+    return 0
+
+
+def _is_diffusion_model(model: str) -> bool:
+    from shared.gguf_file import GGUFFile
+    from shared.model_config import ModelConfig
+    from shared.model_registry import resolve_model
+    return not ModelConfig.from_gguf(GGUFFile(resolve_model(model))).causal
+
+
+def cmd_diffuse(args: argparse.Namespace) -> int:
+    opts = _configured(args, DIFFUSE_OPTIONS)
+    if isinstance(opts, int):
+        return opts
+    from router.chat_template import ChatTemplate, ChatTemplateMissing
+    from shared.diffusion_params import DiffusionParams, diffusion_flags
+    from tensorserve.local import LocalEngine
+
+    params = DiffusionParams(**{name: getattr(args, name) for _, name, _, _, _ in diffusion_flags()})
+    params.validate()
+    if not _is_diffusion_model(opts["model"]):
+        raise ValueError(f"--model {opts['model']} is not a text-diffusion model (llada, dream): "
+                         "use `tensorserve generate` for it")
+    engine = LocalEngine(opts["model"])
+    tokenizer = engine.tokenizer
+    text = args.prompt
+    if args.chat:     # the model's template, else llama.cpp's ChatML fallback, as llama-diffusion-cli
+        try:
+            template = (ChatTemplate.from_file(opts["chat_template"], tokenizer) if opts["chat_template"]
+                        else ChatTemplate.from_metadata(engine.runner.gguf.metadata, tokenizer))
+        except ChatTemplateMissing:
+            template = ChatTemplate.chatml(tokenizer)
+        text = template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    # llama-diffusion-cli's common_tokenize(..., add_special=true, parse_special=true), chat or not
+    prompt = tokenizer.encode(text, add_special=True, parse_special=True)
+    output = engine.diffuse([prompt], params)[0]
+    print(tokenizer.decode(output))
     return 0
 
 
@@ -147,6 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens, 0 = off (default 0)")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.set_defaults(func=cmd_generate)
+
+    from shared.diffusion_params import diffusion_flags
+    p = sub.add_parser("diffuse", help="generate text with a text-diffusion model (llada, dream) in-process, "
+                       "as llama-diffusion-cli's block schedule does")
+    add_flags(p, DIFFUSE_OPTIONS)
+    p.add_argument("--prompt", "-p", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat "
+                   "template (ChatML where it has none, as llama.cpp)")
+    for flag, name, kind, default, text in diffusion_flags():
+        p.add_argument(flag, dest=name, type=kind, default=default, help=f"{text} (default {default})")
+    p.set_defaults(func=cmd_diffuse)
 
     p = sub.add_parser("make-draft", help="write a self-speculative draft GGUF: a model's first N layers, its "
                        "output norm and head (for --speculative draft --draft-model FILE)")

@@ -1,7 +1,8 @@
 """The in-process engine: tokenizer + scheduler engine loop + model runner in one process.
 
-Used by the CLI (`generate`, `score`), the tests and benchmarks; the served
-stack splits the same pieces across processes.
+Used by the CLI (`generate`, `score`, `diffuse`), the tests and benchmarks; the served
+stack splits the same pieces across processes. A text-diffusion model (causal False) gets the
+scheduler's diffusion batcher instead of the autoregressive engine.
 """
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from scheduler.diffusion import DiffusionBatcher, DiffusionRequest
 from scheduler.engine import Engine
 from scheduler.sequence import Sequence
 from scheduler.speculative import make_controller
+from shared.diffusion_params import DiffusionParams
 from shared.model_registry import resolve_model
 from shared.sampling_params import SamplingParams
 from worker.config import DEFAULT_KV_MEMORY
@@ -37,16 +40,31 @@ class LocalEngine:
                                   kv_cache_dtype=kv_cache_dtype,
                                   draft_model=resolve_model(str(draft_model)) if draft_model else None)
         cap = self.runner.capacity
-        self.engine = Engine(self.runner.execute, cap.num_blocks, cap.block_size, cap.max_context,
-                             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             fingerprint=self.runner.config.fingerprint, enable_prefix_caching=enable_prefix_caching,
-                             num_decode_steps=num_decode_steps,
-                             speculative=make_controller(speculative, num_speculative_tokens, prompt_lookup_min,
-                                                         prompt_lookup_max, speculative_governor))
+        self.diffusion: DiffusionBatcher | None = None
+        self.engine: Engine | None = None
+        if not self.runner.config.causal:
+            self.diffusion = DiffusionBatcher(self.runner.execute, max_num_seqs=max_num_seqs)
+        else:
+            self.engine = Engine(self.runner.execute, cap.num_blocks, cap.block_size, cap.max_context,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                 fingerprint=self.runner.config.fingerprint, enable_prefix_caching=enable_prefix_caching,
+                                 num_decode_steps=num_decode_steps,
+                                 speculative=make_controller(speculative, num_speculative_tokens, prompt_lookup_min,
+                                                             prompt_lookup_max, speculative_governor))
         self.tokenizer = None
         if load_tokenizer:
             from router.tokenizer import Tokenizer
             self.tokenizer = Tokenizer.from_metadata(self.runner.gguf.metadata)
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.diffusion is not None
+
+    def _autoregressive(self) -> Engine:
+        if self.engine is None:
+            raise ValueError(f"{self.path.name} is a text-diffusion model ({self.config.architecture}): generate "
+                             "with `tensorserve diffuse` (--gen-length, --steps, --block-length, --algorithm)")
+        return self.engine
 
     @property
     def config(self):
@@ -58,12 +76,13 @@ class LocalEngine:
 
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         """Generate for one prompt, yielding each token as it is sampled."""
+        engine = self._autoregressive()
         params.validate()
         seq = Sequence(list(prompt), params, eos_ids=self.eos_ids)
-        self.engine.add(seq)
+        engine.add(seq)
         emitted = 0
         while seq.finish_reason is None:
-            self.engine.step()
+            engine.step()
             while emitted < len(seq.output):
                 yield seq.output[emitted]
                 emitted += 1
@@ -71,20 +90,45 @@ class LocalEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Generate for several prompts at once, batched together."""
+        engine = self._autoregressive()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [Sequence(list(p), sp, eos_ids=self.eos_ids) for p, sp in zip(prompts, plist)]
         for s in seqs:
             s.params.validate()
-            self.engine.add(s)
+            engine.add(s)
         while any(s.finish_reason is None for s in seqs):
-            self.engine.step()
+            engine.step()
         return [Completion(s.output, s.logprobs, s.finish_reason) for s in seqs]
 
     def score(self, tokens: list[int], top_k: int = 8) -> list[dict]:
-        """Teacher-forced top-k log-probabilities after each prefix tokens[0..i]."""
+        """Teacher-forced top-k log-probabilities after each prefix tokens[0..i]; for a diffusion
+        model, of each position's own logits after one non-causal pass over all of `tokens`."""
+        if self.diffusion is not None:
+            return self.diffusion.score(list(tokens), top_k)
         seq = Sequence(list(tokens), SamplingParams(max_tokens=1, temperature=0.0), score_top_k=top_k)
         self.engine.add(seq)
         while seq.finish_reason is None:
             self.engine.step()
         return [{"top_ids": [int(i) for i in ids], "top_logprobs": [float(v) for v in lps]}
                 for ids, lps, _ in seq.prompt_scores]
+
+    def diffusion_request(self, prompt: list[int], params: DiffusionParams, **callbacks) -> DiffusionRequest:
+        """A request for the diffusion batcher (not yet added); `callbacks`: on_step, on_block."""
+        if self.diffusion is None:
+            raise ValueError(f"{self.path.name} ({self.config.architecture}) is not a text-diffusion model: "
+                             "use `tensorserve generate`")
+        total = len(prompt) + params.gen_length
+        if total > self.config.context_length:
+            raise ValueError(f"the prompt's {len(prompt)} tokens + --gen-length {params.gen_length} exceed the "
+                             f"model's context of {self.config.context_length} tokens; lower --gen-length")
+        return DiffusionRequest(list(prompt), params, self.config.mask_token_id, **callbacks)
+
+    def diffuse(self, prompts: list[list[int]], params: DiffusionParams | list[DiffusionParams]) -> list[list[int]]:
+        """Denoise a canvas for each prompt, batched together; each one's canvas after its prompt."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [self.diffusion_request(p, sp) for p, sp in zip(prompts, plist)]
+        for r in requests:
+            self.diffusion.add(r)
+        while any(not r.finished for r in requests):
+            self.diffusion.step()
+        return [r.output for r in requests]

@@ -154,7 +154,7 @@ def test_truncated_in_header(tmp_path, tiny_bytes, where, loader):
 
 def test_unsupported_architecture(tmp_path):
     path = write_tiny_llama(tmp_path / "mamba.gguf", architecture="mamba9")
-    expect_error(load, path, "unsupported architecture 'mamba9'", "gemma3, llama")
+    expect_error(load, path, "unsupported architecture 'mamba9'", "dream, gemma3, llada, llama")
 
 
 def test_unsupported_architecture_without_llama_metadata(tmp_path):
@@ -162,7 +162,7 @@ def test_unsupported_architecture_without_llama_metadata(tmp_path):
     path = write_tiny_llama(tmp_path / "mamba.gguf", architecture="mamba9",
                             skip_metadata=["attention.head_count", "attention.head_count_kv",
                                            "feed_forward_length", "attention.layer_norm_rms_epsilon"])
-    expect_error(load, path, "unsupported architecture 'mamba9'", "gemma3, llama")
+    expect_error(load, path, "unsupported architecture 'mamba9'", "dream, gemma3, llada, llama")
 
 
 def test_missing_metadata_key(tmp_path):
@@ -245,4 +245,4 @@ def test_config_matches_writer(tmp_path):
 def test_no_architecture_key(tmp_path, tiny_bytes):
     path = tmp_path / "noarch.gguf"
     path.write_bytes(tiny_bytes.replace(b"general.architecture", b"general.architecturX", 1))
-    expect_error(load, path, "no general.architecture", "gemma3, llama")
+    expect_error(load, path, "no general.architecture", "dream, gemma3, llada, llama")

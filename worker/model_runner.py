@@ -18,8 +18,9 @@ from shared.model_config import ModelConfig
 from shared.sampling_params import SamplingParams
 from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 from worker.config import DEFAULT_KV_MEMORY
+from worker.diffusion.canvas_step import CanvasStep
 from worker.draft_model import DraftModel, check_vocabulary
-from worker.kv_pool import DEFAULT_CODEC, KVPool, plan_capacity
+from worker.kv_pool import DEFAULT_CODEC, KVPool, bytes_per_block, plan_capacity
 from worker.models import ForwardInput, model_class
 from worker.sampling import Sampler, make_generator
 from worker.verification import verify_drafts
@@ -63,6 +64,8 @@ class ModelRunner:
                                for t in g.tensors.values() if len(t.shape) == 2})
         self.ops.warm_up()
         self.model = cls(self.config, WeightLoader(self.gguf, self.ops), self.ops)
+        if not self.config.causal:     # diffusion canvases keep no K/V: one block keeps the pool's shape
+            kv_memory, max_context = bytes_per_block(self.config, block_size, kv_cache_dtype), None
         self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context, kv_cache_dtype)
         self.kv = KVPool(self.config, self.capacity, self.ops, kv_cache_dtype)
         self.model.bind_kv(self.kv.caches)
@@ -75,6 +78,8 @@ class ModelRunner:
                      draft_gguf.path.name, self.drafter.config.architecture, self.drafter.config.n_layers,
                      ", the target's own weights" if same else "", self.capacity.num_blocks)
         self.sampler = Sampler()
+        # a text-diffusion model runs canvases (worker/diffusion/), not the paged AR steps below
+        self.canvas = CanvasStep(self.model, self.ops, self.config) if not self.config.causal else None
         self._seqs: dict[int, _SeqState] = {}
         self.tokens_computed = 0
         log.info("loaded %s (%s, %d layers) in %.1fs; products: %s", self.gguf.path.name,
@@ -87,10 +92,17 @@ class ModelRunner:
             self._seqs.pop(seq_id, None)
             if self.drafter is not None:
                 self.drafter.forget(seq_id)
+            if self.canvas is not None:
+                self.canvas.forget(seq_id)
         self.kv.copy_blocks(request.copy_blocks)
         chunks = request.chunks
         if not chunks:
             return StepResult([], 0)
+        if self.canvas is not None:
+            return self.canvas.execute(chunks)
+        if any(c.diffusion is not None for c in chunks):
+            raise ValueError(f"{self.gguf.path.name} ({self.config.architecture}) is not a text-diffusion model: "
+                             "it cannot run diffusion canvases")
         for c in chunks:
             if len(c.token_ids) == 1 and int(c.token_ids[0]) == -1:
                 state = self._seqs.get(c.seq_id)

@@ -194,7 +194,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=cfg.vocab_size, num_blocks=cap.num_blocks, block_size=cap.block_size,
             max_context=cap.max_context, n_layers=cfg.n_layers, backend=self.backend,
             hostname=self.hostname, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-            kv_cache_dtype=block_transfer.pool_dtype_name(self.runner.kv), draft_model=self.draft_model_name)
+            kv_cache_dtype=block_transfer.pool_dtype_name(self.runner.kv), draft_model=self.draft_model_name,
+            diffusion=not cfg.causal, mask_token_id=cfg.mask_token_id, context_length=cfg.context_length)
 
     def Step(self, request, context):
         with self._lock:

@@ -53,6 +53,27 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, met
     return out
 
 
+def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_lens: np.ndarray, scale: float) -> np.ndarray:
+    """Non-causal attention of each packed sequence over its own rows, in float32 from K/V that
+    never enter the pool (a diffusion canvas is recomputed whole every step; llama.cpp's LLaDA and
+    Dream graphs keep their K/V in float32 too). Sequence by sequence, so a canvas's result is the
+    same whatever canvases are packed with it."""
+    n_heads, dim = q.shape[1], q.shape[2]
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    out = np.empty_like(q)
+    start = 0
+    for n in (int(x) for x in seq_lens):
+        qs = q[start:start + n].reshape(n, n_kv, group, dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n, dim)
+        scores = np.matmul(qs, k[start:start + n].transpose(1, 2, 0))          # [kv, group * n, n]
+        scores *= np.float32(scale)
+        _softmax_inplace(scores)
+        acc = np.matmul(scores, v[start:start + n].transpose(1, 0, 2))          # [kv, group * n, d]
+        out[start:start + n] = acc.reshape(n_kv, group, n, dim).transpose(2, 0, 1, 3).reshape(n, n_heads, dim)
+        start += n
+    return out
+
+
 def _decode_rows(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.ndarray, ctx: np.ndarray,
                  scale: float, window: int, compiled: bool) -> np.ndarray:
     if not decode_attention.available():

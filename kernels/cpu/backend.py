@@ -368,6 +368,10 @@ class CPUBackend:
         return attention.paged_attention(q, k_cache, v_cache, meta, scale, window,
                                          compiled=self._compiled(q.shape[0]), rowwise=self._rowwise(q.shape[0]))
 
+    def dense_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_lens: np.ndarray,
+                        scale: float) -> np.ndarray:
+        return attention.dense_attention(q, k, v, seq_lens, scale)
+
     def _rowwise(self, rows: int) -> bool:
         """Passes whose products code each row in 8 bits alone: each row attends alone, with
         llama.cpp's rounding (queries and softmax in float16), so a row's result does not depend on

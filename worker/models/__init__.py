@@ -5,12 +5,16 @@ from pathlib import Path
 
 from shared.errors import GGUFError
 from worker.models.base import ForwardInput, Model
+from worker.models.dream import DreamModel
 from worker.models.gemma3 import Gemma3Model
+from worker.models.llada import LladaModel
 from worker.models.llama import LlamaModel
 
 ARCHITECTURES: dict[str, type[Model]] = {
     "llama": LlamaModel,
     "gemma3": Gemma3Model,
+    "llada": LladaModel,     # text diffusion
+    "dream": DreamModel,     # text diffusion
 }
 
 

@@ -89,6 +89,30 @@ class SamplingParams(_message.Message):
     logprobs: int
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
+class DiffusionParams(_message.Message):
+    __slots__ = ("gen_length", "steps", "block_length", "algorithm", "temperature", "top_k", "top_p", "seed", "threshold", "gamma")
+    GEN_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    gen_length: int
+    steps: int
+    block_length: int
+    algorithm: str
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    threshold: float
+    gamma: float
+    def __init__(self, gen_length: _Optional[int] = ..., steps: _Optional[int] = ..., block_length: _Optional[int] = ..., algorithm: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., threshold: _Optional[float] = ..., gamma: _Optional[float] = ...) -> None: ...
+
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "fingerprint", "vocab_size", "num_blocks", "block_size", "max_context", "n_layers", "backend", "hostname", "kv_heads", "head_dim", "kv_cache_dtype", "draft_model")
+    __slots__ = ("model_name", "architecture", "fingerprint", "vocab_size", "num_blocks", "block_size", "max_context", "n_layers", "backend", "hostname", "kv_heads", "head_dim", "kv_cache_dtype", "draft_model", "diffusion", "mask_token_id", "context_length")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,9 @@ class DescribeResponse(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DIFFUSION_FIELD_NUMBER: _ClassVar[int]
+    MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     fingerprint: str
@@ -41,10 +44,13 @@ class DescribeResponse(_message.Message):
     head_dim: int
     kv_cache_dtype: str
     draft_model: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., draft_model: _Optional[str] = ...) -> None: ...
+    diffusion: bool
+    mask_token_id: int
+    context_length: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., draft_model: _Optional[str] = ..., diffusion: _Optional[bool] = ..., mask_token_id: _Optional[int] = ..., context_length: _Optional[int] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids", "score_targets", "num_draft")
+    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids", "score_targets", "num_draft", "diffusion")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +62,7 @@ class SeqChunk(_message.Message):
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
     SCORE_TARGETS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DIFFUSION_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _common_pb2.Tensor
     start_pos: int
@@ -67,7 +74,20 @@ class SeqChunk(_message.Message):
     prefix_ids: _common_pb2.Tensor
     score_targets: _common_pb2.Tensor
     num_draft: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_targets: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft: _Optional[int] = ...) -> None: ...
+    diffusion: DiffusionStep
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_targets: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft: _Optional[int] = ..., diffusion: _Optional[_Union[DiffusionStep, _Mapping]] = ...) -> None: ...
+
+class DiffusionStep(_message.Message):
+    __slots__ = ("block_start", "block_end", "transfer_count", "params")
+    BLOCK_START_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_END_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    block_start: int
+    block_end: int
+    transfer_count: int
+    params: _common_pb2.DiffusionParams
+    def __init__(self, block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., transfer_count: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.DiffusionParams, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("chunks", "finished", "step_id", "copy_blocks", "num_steps")
@@ -92,7 +112,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class SeqResult(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_ids", "top_logprobs", "score_ids", "score_logprobs", "score_target_logprobs", "accepted_ids", "accepted_logprobs")
+    __slots__ = ("seq_id", "token_id", "logprob", "top_ids", "top_logprobs", "score_ids", "score_logprobs", "score_target_logprobs", "accepted_ids", "accepted_logprobs", "committed_positions", "committed_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +123,8 @@ class SeqResult(_message.Message):
     SCORE_TARGET_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
     logprob: float
@@ -113,7 +135,9 @@ class SeqResult(_message.Message):
     score_target_logprobs: _common_pb2.Tensor
     accepted_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_target_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    committed_positions: _containers.RepeatedScalarFieldContainer[int]
+    committed_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., top_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_target_logprobs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[float]] = ..., committed_positions: _Optional[_Iterable[int]] = ..., committed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "tokens_computed", "step_id", "later")
