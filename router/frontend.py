@@ -250,8 +250,11 @@ class Frontend:
                 else:
                     ev = None
                 break
-            except grpc.RpcError as exc:
+            except BaseException as exc:      # refused, or this request cancelled (client gone)
                 replica.in_flight -= 1
+                if not isinstance(exc, grpc.RpcError):
+                    call.cancel()
+                    raise
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
                     raise error_from_rpc(exc) from None
                 tried.add(replica.index)

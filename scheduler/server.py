@@ -130,7 +130,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         core, journal = self.core, self.core.prefix_journal
         sent: set[bytes] = set()
         seen_version, last = -1, None
-        while True:
+        while not core.draining:      # a stopping scheduler ends the stream (the router sees it gone)
             serving, in_flight = core.engine is not None and not core.draining, core.in_flight()
             if journal.version != seen_version or (serving, in_flight) != last:
                 seen_version = journal.version
