@@ -96,8 +96,8 @@ def routed_counts(metrics_text: str) -> dict[str, float]:
     for line in metrics_text.splitlines():
         if line.startswith("tensorserve_routed_requests_total{"):
             labels, value = line.rsplit(" ", 1)
-            fields = dict(kv.split("=", 1) for kv in labels[labels.index("{") + 1:-1].split(","))
-            out[f"replica {fields['replica'].strip('\"')} {fields['prefix'].strip('\"')}"] = float(value)
+            fields = {k: v.strip('"') for k, v in (kv.split("=", 1) for kv in labels[labels.index("{") + 1:-1].split(","))}
+            out[f"replica {fields['replica']} {fields['prefix']}"] = float(value)
     return out
 
 

@@ -110,11 +110,6 @@ class Frontend:
     def max_context(self) -> int:
         return self._max_context or self.gguf_context
 
-    @property
-    def scheduler(self) -> SchedulerClient | None:
-        """The first replica's client (a single-replica model's scheduler)."""
-        return self.replicas.replicas[0].client if self.replicas is not None else None
-
     async def refresh_max_context(self) -> int:
         if self._max_context is None and self.replicas is not None:
             for replica in self.replicas.replicas:

@@ -20,6 +20,7 @@ from router.scheduler_client import SchedulerClient
 log = logging.getLogger("tensorserve.router")
 
 WATCH_RETRY_S = 0.5
+UNIMPLEMENTED_RETRY_S = 30.0
 WATCH_INTERVAL_MS = 50
 
 
@@ -52,6 +53,10 @@ class Replica:
                                  self.index, len(self.view.held))
                     self.connected, self.serving = True, update.serving
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:   # an older scheduler: no cache to follow
+                    self.connected = self.serving = False
+                    await asyncio.sleep(UNIMPLEMENTED_RETRY_S)
+                    continue
                 if self.connected:
                     log.warning("scheduler %s (%s #%d) is gone (%s); its requests go to the other replicas",
                                 self.address, self.model, self.index, exc.code().name)
