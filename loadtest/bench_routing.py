@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routing", choices=("both", "prefix-aware", "round-robin"), default="both")
     p.add_argument("--kv-memory", default="16MiB", help="per worker; about half the system prompts' blocks")
     p.add_argument("--prompts", type=int, default=4, help="distinct system prompts")
-    p.add_argument("--per-prompt", type=int, default=16, help="requests per system prompt")
+    p.add_argument("--per-prompt", type=int, default=20, help="requests per system prompt")
     p.add_argument("--words", type=int, default=150, help="words per system prompt (~1.7 tokens each)")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=2)

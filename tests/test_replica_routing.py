@@ -25,7 +25,7 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 MODEL = "smollm2-135m"
-WORKLOAD = bench.workload(prompts=4, per_prompt=16, words=150, seed=0)
+WORKLOAD = bench.workload(prompts=4, per_prompt=20, words=150, seed=0)
 
 
 def _serve(tmp: Path, routing: str) -> tuple:
