@@ -69,7 +69,7 @@ def test_round_robin_misses_where_prefix_aware_hits(tmp_path):
         stop(proc, timeout=60)
     print(f"\nround-robin, 2 replicas: {result['hits']}/{result['requests']} requests hit a cached prefix "
           f"({result['hit_rate']:.0%}), {result['cached_token_fraction']:.0%} of prompt tokens cached")
-    assert result["hit_rate"] < 0.8, result
+    assert result["hit_rate"] < 0.85, result
 
 
 def _complete(info: dict, prompt: str) -> httpx.Response:
