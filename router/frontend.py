@@ -61,6 +61,17 @@ async def _first_then(first, call):
 
 
 # ----------------------------------------------------------------------------- the model front end
+def model_kind(gguf: GGUFFile) -> int:
+    """router.proto's ModelKind of a model: diffusion for a non-causal (text-diffusion) architecture
+    (shared/model_config.py's `causal`, once the diffusion models are there), else autoregressive."""
+    from shared.model_config import ModelConfig
+    try:
+        causal = getattr(ModelConfig.from_gguf(gguf), "causal", True)
+    except Exception:      # an architecture the workers do not run: the worker says so, not the router
+        causal = True
+    return router_pb2.MODEL_KIND_AUTOREGRESSIVE if causal else router_pb2.MODEL_KIND_DIFFUSION
+
+
 class Frontend:
     """One served model: tokenizer, chat template, validation, and generation through one of its
     scheduler replicas (router/replicas.py).
@@ -78,7 +89,7 @@ class Frontend:
         md = gguf.metadata
         self.metadata = md
         self.architecture = gguf.architecture
-        self.kind = router_pb2.MODEL_KIND_AUTOREGRESSIVE    # the diffusion engineer: decide from the GGUF here
+        self.kind = model_kind(gguf)
         self.served_model_name = served_model_name or model_name(model)
         self.tokenizer = Tokenizer.from_metadata(md)
         self.chat_template: ChatTemplate | None
