@@ -21,14 +21,15 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from protos.tensorserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos.tensorserve.v1 import common_pb2, router_pb2, scheduler_pb2
 from router.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateMissing
 from router.detokenizer import IncrementalDetokenizer
 from router.requests import (  # noqa: F401  (re-exported for the front ends)
     DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent, StopStringMatcher, TokenLogprob, error_from_rpc)
+from router.replicas import Replica, ReplicaSet
+from router.scheduler_client import SchedulerClient  # noqa: F401  (re-exported)
 from router.tokenizer import Tokenizer
 from shared.gguf_file import GGUFFile
-from shared.grpc_auth import internal_metadata
 from shared.model_registry import model_name, resolve_model
 from shared.sampling_params import SamplingParams
 from shared.step_codec import sampling_params_to_proto
@@ -59,60 +60,36 @@ async def _first_then(first, call):
         yield ev
 
 
-# ----------------------------------------------------------------------------- scheduler client
-class SchedulerClient:
-    """The router's side of scheduler.proto, on a grpc.aio channel (created inside the running loop)."""
-
-    def __init__(self, address: str, internal_token: str | None = None):
-        self.address = address
-        self.metadata = internal_metadata(internal_token)
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
-
-    @property
-    def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
-        if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2000),
-            ])
-            self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        return self._stub
-
-    def submit(self, request: scheduler_pb2.SubmitRequest):
-        return self.stub.Submit(request, metadata=self.metadata)
-
-    async def stats(self, timeout: float = STATS_TIMEOUT_S) -> scheduler_pb2.StatsResponse:
-        return await self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=timeout, metadata=self.metadata)
-
-
-    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
-        try:
-            await self.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=timeout,
-                                  metadata=self.metadata)
-        except grpc.RpcError:
-            pass
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = self._stub = None
-
-
 # ----------------------------------------------------------------------------- the model front end
-class Frontend:
-    """One served model: tokenizer, chat template, validation, and generation through the scheduler."""
+def model_kind(gguf: GGUFFile) -> int:
+    """router.proto's ModelKind of a model: diffusion for a non-causal (text-diffusion) architecture
+    (shared/model_config.py's `causal`, once the diffusion models are there), else autoregressive."""
+    from shared.model_config import ModelConfig
+    try:
+        causal = getattr(ModelConfig.from_gguf(gguf), "causal", True)
+    except Exception:      # an architecture the workers do not run: the worker says so, not the router
+        causal = True
+    return router_pb2.MODEL_KIND_AUTOREGRESSIVE if causal else router_pb2.MODEL_KIND_DIFFUSION
 
-    def __init__(self, model: str, scheduler_address: str | None, served_model_name: str | None = None,
+
+class Frontend:
+    """One served model: tokenizer, chat template, validation, and generation through one of its
+    scheduler replicas (router/replicas.py).
+
+    `kind` is the model's ModelKind. Only autoregressive models are generated here; a diffusion
+    model's requests will take the diffusion path (router.proto's CanvasReplace events), plugged
+    in at `generate` below, the one place that branches on it."""
+
+    def __init__(self, model: str, scheduler_addresses: list[str] | str | None, served_model_name: str | None = None,
                  metrics: Any = None, chat_template: str | None = None, internal_token: str | None = None,
-                 unavailable_timeout: float = 0.0):
+                 unavailable_timeout: float = 0.0, routing: str = "prefix-aware"):
         self.model_arg = model
         self.path: Path = resolve_model(model)
         gguf = GGUFFile(self.path)
         md = gguf.metadata
         self.metadata = md
         self.architecture = gguf.architecture
+        self.kind = model_kind(gguf)
         self.served_model_name = served_model_name or model_name(model)
         self.tokenizer = Tokenizer.from_metadata(md)
         self.chat_template: ChatTemplate | None
@@ -132,7 +109,10 @@ class Frontend:
             self.fingerprint = ""
         del gguf
         self.created = int(self.path.stat().st_mtime)
-        self.scheduler = SchedulerClient(scheduler_address, internal_token) if scheduler_address else None
+        if isinstance(scheduler_addresses, str):
+            scheduler_addresses = [scheduler_addresses]
+        self.replicas = (ReplicaSet(self.served_model_name, scheduler_addresses, internal_token, routing)
+                         if scheduler_addresses else None)
         self.unavailable_timeout = unavailable_timeout
         self.metrics = metrics
 
@@ -142,13 +122,15 @@ class Frontend:
         return self._max_context or self.gguf_context
 
     async def refresh_max_context(self) -> int:
-        if self._max_context is None and self.scheduler is not None:
-            try:
-                stats = await self.scheduler.stats(timeout=STATS_TIMEOUT_S)
+        if self._max_context is None and self.replicas is not None:
+            for replica in self.replicas.replicas:
+                try:
+                    stats = await replica.client.stats(timeout=STATS_TIMEOUT_S)
+                except grpc.RpcError:
+                    continue
                 if stats.max_context:
                     self._max_context = int(stats.max_context)
-            except grpc.RpcError:
-                pass
+                    break
         return self.max_context
 
     def note_stats(self, stats: scheduler_pb2.StatsResponse) -> None:
@@ -238,7 +220,10 @@ class Frontend:
         whose error is set. Closing the iterator early cancels the Submit call,
         which aborts the sequence upstream.
         """
-        if self.scheduler is None:
+        if self.kind != router_pb2.MODEL_KIND_AUTOREGRESSIVE:   # the diffusion path plugs in here
+            raise FrontendError(f"the model '{self.served_model_name}' is a diffusion model, which this router "
+                                "cannot serve yet", 501, code="unsupported_model")
+        if self.replicas is None:
             raise FrontendError("the router has no scheduler to send requests to (start it with --scheduler)",
                                 503, code="unavailable")
         req = scheduler_pb2.SubmitRequest(request_id=p.request_id, prompt_token_ids=p.prompt_ids,
@@ -258,19 +243,32 @@ class Frontend:
         first = True
         # a scheduler or worker that is restarting (UNAVAILABLE before any event) is waited for, up to
         # --unavailable-timeout: the request has produced nothing yet, so trying again loses nothing
+        # (another replica of the model, when one serves, is tried first)
         deadline = time.monotonic() + self.unavailable_timeout
+        tried: set[int] = set()
         while True:
-            call = self.scheduler.submit(req)
+            replica, hit_blocks = self.replicas.choose(p.prompt_ids, tried)
+            replica.in_flight += 1
+            call = replica.client.submit(req)
             try:
                 async for ev in call:
                     break
                 else:
                     ev = None
                 break
-            except grpc.RpcError as exc:
+            except BaseException as exc:      # refused, or this request cancelled (client gone)
+                replica.in_flight -= 1
+                if not isinstance(exc, grpc.RpcError):
+                    call.cancel()
+                    raise
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
                     raise error_from_rpc(exc) from None
-                await asyncio.sleep(UNAVAILABLE_RETRY_S)
+                tried.add(replica.index)
+                if len(tried) >= len(self.replicas):
+                    tried.clear()
+                    await asyncio.sleep(UNAVAILABLE_RETRY_S)
+        if metrics is not None:
+            metrics.routed(replica, hit_blocks > 0)
         try:
             try:
                 async for ev in _first_then(ev, call):
@@ -347,6 +345,7 @@ class Frontend:
             yield FinishEvent("error", len(p.prompt_ids), completion_tokens, error=err,
                               proto_reason=common_pb2.FINISH_REASON_ERROR)
         finally:
+            replica.in_flight -= 1
             if not call.done():
                 call.cancel()
 
@@ -365,15 +364,25 @@ class Frontend:
 
     # ------------------------------------------------------------------ health
     async def health(self) -> tuple[bool, str, list]:
-        """(serving, message, components) from the scheduler's Stats, never waiting past its deadline."""
-        if self.scheduler is None:
+        """(serving, message, components) of the model: serving while one replica serves; the
+        components of every replica (a replica's message says which)."""
+        if self.replicas is None:
             return False, "the router has no scheduler configured (--scheduler)", []
+        results = await asyncio.gather(*(self.replica_health(r) for r in self.replicas.replicas))
+        ok = any(r[0] for r in results)
+        messages = [m for serving, m, _ in results if not serving and m]
+        components = [c for _, _, comps in results for c in comps]
+        return ok, "; ".join(messages), components
+
+    async def replica_health(self, replica: Replica) -> tuple[bool, str, list]:
+        """One replica's (serving, message, components), never waiting past its deadline."""
+        where = "" if len(self.replicas) == 1 else f" (replica {replica.index} of {self.served_model_name})"
         try:
-            h = await self.scheduler.stats(timeout=HEALTH_TIMEOUT_S)
+            h = await replica.client.stats(timeout=HEALTH_TIMEOUT_S)
         except grpc.RpcError as exc:
-            return False, error_from_rpc(exc).message, []
+            return False, error_from_rpc(exc).message + where, []
         except asyncio.TimeoutError:
-            return False, f"the scheduler at {self.scheduler.address} did not answer in time", []
+            return False, f"the scheduler at {replica.address} did not answer in time{where}", []
         self.note_stats(h)
         ok = h.status == common_pb2.SERVING_STATUS_SERVING
         msg = h.status_message
@@ -381,8 +390,8 @@ class Frontend:
             bad = [f"{c.name}: {c.message or 'not serving'}" for c in h.components
                    if c.status != common_pb2.SERVING_STATUS_SERVING]
             msg = "; ".join(bad) or "the scheduler is not serving"
-        return ok, msg, list(h.components)
+        return ok, msg + (where if msg else ""), list(h.components)
 
     async def close(self) -> None:
-        if self.scheduler is not None:
-            await self.scheduler.close()
+        if self.replicas is not None:
+            await self.replicas.close()

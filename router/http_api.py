@@ -12,7 +12,6 @@ import logging
 import time
 from typing import AsyncIterator
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -20,9 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router import openapi_schemas as schemas
 from router import openai_shapes as oa
 from router import request_limits as limits
-from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent
+from router.frontend import DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent
 from router.http_events import ClientDisconnected, chain, events, prime
-from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics, read_supervisor_status
+from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from router.model_table import ModelTable
+from router.status import health_report, scrape_stats
+from protos.tensorserve.v1.router_pb2 import MODEL_KIND_DIFFUSION as DIFFUSION
 from shared.sampling_params import MAX_LOGPROBS
 
 log = logging.getLogger("tensorserve.router.http")
@@ -36,10 +38,10 @@ _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
 # ----------------------------------------------------------------------------- the app
-def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None = None,
+def create_app(models: ModelTable, metrics: RouterMetrics, api_key: str | None = None,
                protect_metrics: bool = False) -> FastAPI:
     app = FastAPI(title="TensorServe", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    app.state.frontend = frontend
+    app.state.models = models
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @app.middleware("http")
@@ -86,7 +88,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
 
     # ------------------------------------------------------------------ /v1/completions
     async def prepare_completion(body: dict) -> tuple[Prepared, bool, bool]:
-        frontend.check_model(body.get("model"))
+        frontend = models.get(body.get("model"))
         oa.check_n(body)
         if body.get("suffix"):
             raise oa.bad("suffix is not supported by this server", "suffix", code="unsupported_value")
@@ -116,7 +118,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         await frontend.check_prompt_length(ids, None if score_only else params.max_tokens)
         p = Prepared(frontend.new_request_id("cmpl"), ids, text, params, oa.get_stop(body), echo=echo,
                      prompt_logprobs=logprobs if echo else None, endpoint="completions",
-                     speculative=oa.speculative(body))
+                     speculative=oa.speculative(body), frontend=frontend)
         p.score_only = score_only  # type: ignore[attr-defined]
         return p, stream, include_usage
 
@@ -124,7 +126,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         """Parse and validate a request, then start its generation: (prepared, stream?, usage?, events, first event)."""
         p, stream, include_usage = await prepare(await read_json(request))
         metrics.prompt_tokens.inc(len(p.prompt_ids))
-        gen = events(frontend, p, request)
+        gen = events(p.frontend, p, request)
         return p, stream, include_usage, gen, await prime(gen)
 
     @app.post("/v1/completions", openapi_extra=schemas.body(schemas.COMPLETION_REQUEST))
@@ -137,7 +139,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         except FrontendError as exc:
             metrics.count(endpoint, exc.status)
             return oa.error(exc)
-        model = frontend.served_model_name
+        model = p.frontend.served_model_name
 
         def chunk(text: str, lp: dict | None, finish: str | None) -> dict:
             return {"id": p.request_id, "object": "text_completion", "created": created, "model": model,
@@ -224,7 +226,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         return out
 
     async def prepare_chat(body: dict) -> tuple[Prepared, bool, bool]:
-        frontend.check_model(body.get("model"))
+        frontend = models.get(body.get("model"))
         oa.check_n(body)
         stream = oa.get_bool(body, "stream")
         include_usage = oa.stream_options(body, stream)
@@ -247,7 +249,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         if asked:
             await frontend.check_prompt_length(ids, params.max_tokens)
         p = Prepared(frontend.new_request_id("chatcmpl"), ids, text, params, oa.get_stop(body), endpoint="chat",
-                     speculative=oa.speculative(body))
+                     speculative=oa.speculative(body), frontend=frontend)
         return p, stream, include_usage
 
     @app.post("/v1/chat/completions", openapi_extra=schemas.body(schemas.CHAT_COMPLETION_REQUEST))
@@ -260,7 +262,7 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
         except FrontendError as exc:
             metrics.count(endpoint, exc.status)
             return oa.error(exc)
-        model = frontend.served_model_name
+        model = p.frontend.served_model_name
         want_lp = p.params.logprobs is not None
 
         if not stream:
@@ -324,45 +326,22 @@ def create_app(frontend: Frontend, metrics: RouterMetrics, api_key: str | None =
 
     # ------------------------------------------------------------------ models, health, metrics
     @app.get("/v1/models")
-    async def models():
+    async def list_models():
         metrics.count("/v1/models", 200)
         return {"object": "list", "data": [{
-            "id": frontend.served_model_name, "object": "model", "created": frontend.created,
-            "owned_by": "tensorserve", "max_model_len": frontend.max_context}]}
+            "id": f.served_model_name, "object": "model", "created": f.created, "owned_by": "tensorserve",
+            "max_model_len": f.max_context, "architecture": f.architecture,
+            "kind": "diffusion" if f.kind == DIFFUSION else "autoregressive"} for f in models]}
 
     @app.get("/health")
     async def health():
-        ok, message, components = await frontend.health()
-        comps = [{"name": c.name, "status": "ok" if c.status == 1 else "unavailable", "message": c.message}
-                 for c in components]
-        supervised = read_supervisor_status(metrics.supervisor_status)
-        if supervised:      # under `tensorserve serve`: each child's state and restarts, also when unreachable
-            by_name = {c["name"].split("-")[0]: c for c in comps}
-            for name in ("scheduler", "worker"):
-                if name in supervised:
-                    entry = by_name.get(name)
-                    if entry is None:
-                        entry = {"name": "worker-0" if name == "worker" else name, "status": "unavailable",
-                                 "message": f"the {name} is {supervised[name]['state']}"}
-                        comps.append(entry)
-                    entry.update(restarts=supervised[name]["restarts"], process=supervised[name]["state"])
+        ok, body = await health_report(models, metrics.supervisor_status)
         metrics.count("/health", 200 if ok else 503)
-        if ok:
-            return JSONResponse({"status": "ok", "components": comps})
-        return JSONResponse({"status": "unavailable", "message": message, "components": comps,
-                             "error": {"message": message, "type": "service_unavailable", "param": None,
-                                       "code": "unavailable"}}, status_code=503)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint():
-        stats = None
-        if frontend.scheduler is not None:
-            try:
-                stats = await frontend.scheduler.stats()
-                frontend.note_stats(stats)
-            except grpc.RpcError:
-                stats = None
-        metrics.set_stats(stats)
+        await scrape_stats(models, metrics)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

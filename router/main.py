@@ -1,7 +1,10 @@
 """The router process: the OpenAI-compatible HTTP API and the gRPC Generation service
-in one asyncio (uvloop) event loop, in front of one scheduler.
+in one asyncio (uvloop) event loop, in front of each served model's schedulers (one or
+several replicas per model, router/replicas.py).
 
     python -m router.main --scheduler 127.0.0.1:50061 --http-port 8000 --grpc-port 50051
+    python -m router.main --model a=smollm2-135m --model b=gemma3-270m \
+        --scheduler a=127.0.0.1:50061,127.0.0.1:50062 --scheduler b=127.0.0.1:50063
 
 `add_arguments(parser)` and `run(args)` are what `tensorserve router` calls.
 """
@@ -60,11 +63,11 @@ def _write_ready(path: str, info: dict) -> None:
     tmp.replace(target)
 
 
-async def _report_health(frontend, reporter, draining: asyncio.Event, period_s: float = 0.5) -> None:
-    """The standard health service follows the scheduler's (SERVING only while the scheduler and its
-    worker serve) until the router drains."""
+async def _report_health(models, reporter, draining: asyncio.Event, period_s: float = 0.5) -> None:
+    """The standard health service follows the schedulers' (SERVING only while every model has a
+    scheduler replica whose worker serves) until the router drains."""
     while not draining.is_set():
-        ok, _, _ = await frontend.health()
+        ok = all([(await f.health())[0] for f in models])
         await reporter.set(ok)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(draining.wait(), period_s)
@@ -81,7 +84,8 @@ async def serve(args: RouterConfig) -> int:
     from shared.grpc_health import SERVICE_NAME as HEALTH_SERVICE
     from shared.grpc_errors import AsyncDecodeErrorInterceptor
     from shared.grpc_health import AsyncHealthReporter
-    from router.frontend import Frontend
+    from router.model_table import ModelTable
+    from shared.served_models import scheduler_group, served_models
     from router.http_api import create_app
     from router.metrics import RouterMetrics
     from router.server import GenerationServicer
@@ -89,16 +93,22 @@ async def serve(args: RouterConfig) -> int:
 
     if not args.scheduler:
         log.warning("no --scheduler given: generation requests will get 503 until one is configured")
-    frontend = Frontend(args.model, args.scheduler, args.served_model_name, chat_template=args.chat_template,
-                        internal_token=args.internal_token, unavailable_timeout=args.unavailable_timeout)
-    metrics = RouterMetrics(frontend.served_model_name, args.supervisor_status)
-    frontend.metrics = metrics
+    schedulers: dict[str | None, list[str]] = {}
+    for entry in args.scheduler:
+        name, addresses = scheduler_group(entry)
+        schedulers.setdefault(name, []).extend(addresses)
+    models = ModelTable.open(served_models(args.models, args.served_model_name), schedulers,
+                             chat_template=args.chat_template, internal_token=args.internal_token,
+                             unavailable_timeout=args.unavailable_timeout, routing=args.routing)
+    metrics = RouterMetrics(models.default.served_model_name, args.supervisor_status)
+    for f in models:
+        f.metrics = metrics
 
     # gRPC
     interceptors = [AsyncDecodeErrorInterceptor(), *([api_key_interceptor(args.api_key)] if args.api_key else [])]
     grpc_server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)])
-    servicer = GenerationServicer(frontend, metrics)
+    servicer = GenerationServicer(models, metrics)
     router_pb2_grpc.add_GenerationServicer_to_server(servicer, grpc_server)
     generation = router_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
     health = AsyncHealthReporter(grpc_server, [generation])
@@ -116,7 +126,7 @@ async def serve(args: RouterConfig) -> int:
     # HTTP
     sock = _bind(args.host, args.http_port)
     http_port = sock.getsockname()[1]
-    app = create_app(frontend, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics)
+    app = create_app(models, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics)
     config = uvicorn.Config(app, loop="uvloop", lifespan="off", log_level="warning", access_log=False,
                             timeout_graceful_shutdown=max(1, int(args.grace_period)))
 
@@ -144,13 +154,13 @@ async def serve(args: RouterConfig) -> int:
         await asyncio.sleep(0.02)
 
     info = {"http": _hostport(args.host, http_port), "grpc": _hostport(args.host, grpc_port), "pid": os.getpid()}
-    log.warning("router serving %s on http://%s (OpenAI API) and grpc %s, scheduler %s",
-                frontend.served_model_name, info["http"], info["grpc"], args.scheduler)
+    log.warning("router serving %s on http://%s (OpenAI API) and grpc %s, schedulers %s (routing %s)",
+                ", ".join(models.ids), info["http"], info["grpc"], " ".join(args.scheduler), args.routing)
     if args.ready_file:
         _write_ready(args.ready_file, info)
 
     draining = asyncio.Event()
-    health_task = asyncio.create_task(_report_health(frontend, health, draining))
+    health_task = asyncio.create_task(_report_health(models, health, draining))
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait({stop_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
     log.warning("router: shutting down (grace %.0fs)", args.grace_period)
@@ -167,7 +177,7 @@ async def serve(args: RouterConfig) -> int:
     await grpc_server.stop(0)
     await asyncio.gather(http_task, return_exceptions=True)
     stop_task.cancel()
-    await frontend.close()
+    await models.close()
     return 0
 
 

@@ -144,6 +144,41 @@ class RouterMetrics:
         }
         self.scheduler_up = Gauge("tensorserve_scheduler_up", "1 when the last Stats call to the scheduler succeeded",
                                   registry=r)
+        # per scheduler replica (model, replica): routing and each group's own state
+        labels = ["model", "replica"]
+        self.routed_requests = Counter("tensorserve_routed_requests", "Requests sent to a scheduler replica, by "
+                                       "whether the router knew it to hold a prefix of the prompt (prefix=hit)",
+                                       [*labels, "prefix"], registry=r)
+        self.replica_in_flight = Gauge("tensorserve_replica_requests_in_flight", "Requests this router has in "
+                                       "flight at the replica", labels, registry=r)
+        self.replica_up = Gauge("tensorserve_replica_up", "1 when the replica's last Stats said it serves",
+                                labels, registry=r)
+        self.replica_gauges = {name: Gauge(f"tensorserve_replica_{name}", text, labels, registry=r) for name, text in (
+            ("num_requests_running", "Sequences running in the replica's scheduler"),
+            ("num_requests_waiting", "Sequences waiting in the replica's scheduler"),
+            ("kv_cache_usage_ratio", "Fraction of the replica's KV blocks in use (0..1)"),
+            ("kv_blocks_cached", "KV blocks holding a cached prefix in the replica"),
+            ("prefix_cache_queried_tokens", "Prompt tokens looked up in the replica's prefix cache since its "
+                                            "scheduler started"),
+            ("prefix_cache_hit_tokens", "Of those, tokens whose KV came from its prefix cache"))}
+
+    def routed(self, replica, prefix_hit: bool) -> None:
+        self.routed_requests.labels(model=replica.model, replica=str(replica.index),
+                                    prefix="hit" if prefix_hit else "miss").inc()
+
+    def set_replica(self, replica, stats) -> None:
+        """A replica's Stats (None: it did not answer) and the router's count of its requests."""
+        labels = dict(model=replica.model, replica=str(replica.index))
+        self.replica_in_flight.labels(**labels).set(replica.in_flight)
+        self.replica_up.labels(**labels).set(1 if stats is not None and stats.status == 1 else 0)
+        if stats is None:
+            return
+        for name, value in (("num_requests_running", stats.running), ("num_requests_waiting", stats.waiting),
+                            ("kv_cache_usage_ratio", stats.kv_used_fraction),
+                            ("kv_blocks_cached", stats.kv_blocks_cached),
+                            ("prefix_cache_queried_tokens", stats.prefix_cache_queried_tokens),
+                            ("prefix_cache_hit_tokens", stats.prefix_cache_hit_tokens)):
+            self.replica_gauges[name].labels(**labels).set(value)
 
     def count(self, endpoint: str, status: int | str) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()

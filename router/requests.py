@@ -110,6 +110,7 @@ class Prepared:
     prompt_logprobs: int | None = None       # top-k at prompt positions (echo with logprobs)
     endpoint: str = "generate"
     speculative: bool | None = None          # False: no speculative decoding for this request
+    frontend: object = None                  # the model's Frontend (router/model_table.py)
 
 
 # ----------------------------------------------------------------------------- stop strings

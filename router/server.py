@@ -7,7 +7,8 @@ import time
 import grpc
 
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.frontend import DeltaEvent, FinishEvent, Frontend, FrontendError, Prepared, PromptEvent, TokenLogprob
+from router.frontend import DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent, TokenLogprob
+from router.model_table import ModelTable
 from router import request_limits as limits
 from router.metrics import RouterMetrics
 from shared.step_codec import sampling_params_from_proto
@@ -22,8 +23,8 @@ def _token_logprob_pb(lp: TokenLogprob) -> router_pb2.TokenLogprob:
 
 
 class GenerationServicer(router_pb2_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend, metrics: RouterMetrics):
-        self.frontend = frontend
+    def __init__(self, models: ModelTable, metrics: RouterMetrics):
+        self.models = models
         self.metrics = metrics
         self.draining = False      # shutting down: new Generate calls are refused
         self.in_flight = 0
@@ -34,8 +35,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
 
     # ------------------------------------------------------------------ Generate
     async def _prepare(self, request: router_pb2.GenerateRequest) -> Prepared:
-        fe = self.frontend
-        fe.check_model(request.model)
+        fe = self.models.get(request.model)
         which = request.WhichOneof("prompt")
         text = None
         if which == "text":
@@ -60,7 +60,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         await fe.check_prompt_length(ids, params.max_tokens if asked else None)
         return Prepared(request.request_id or fe.new_request_id("gen"), ids, text, params,
                         limits.check_stop([s for s in request.stop if s]), echo=request.echo,
-                        prompt_logprobs=params.logprobs if request.echo else None, endpoint="grpc.Generate")
+                        prompt_logprobs=params.logprobs if request.echo else None, endpoint="grpc.Generate",
+                        frontend=fe)
 
     async def Generate(self, request, context):
         endpoint = "grpc.Generate"
@@ -81,12 +82,12 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         try:
             p = await self._prepare(request)
             self.metrics.prompt_tokens.inc(len(p.prompt_ids))
-            gen = self.frontend.generate(p)
+            gen = p.frontend.generate(p)
             first = await gen.__anext__()
         except FrontendError as exc:
             await self._fail(context, endpoint, exc)
             return
-        model = self.frontend.served_model_name
+        model = p.frontend.served_model_name
         status = "OK"
         task = asyncio.current_task()
 
@@ -141,9 +142,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
 
     # ------------------------------------------------------------------ the rest
     async def Tokenize(self, request, context):
-        fe = self.frontend
         try:
-            fe.check_model(request.model)
+            fe = self.models.get(request.model)
             which = request.WhichOneof("input")
             if which == "chat":
                 messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
@@ -158,9 +158,8 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         return router_pb2.TokenizeResponse(token_ids=ids, max_context=await fe.refresh_max_context())
 
     async def Detokenize(self, request, context):
-        fe = self.frontend
         try:
-            fe.check_model(request.model)
+            fe = self.models.get(request.model)
             ids = fe.check_token_ids(list(request.token_ids), param="token_ids")
         except FrontendError as exc:
             await self._fail(context, "grpc.Detokenize", exc)
@@ -169,14 +168,13 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         return router_pb2.DetokenizeResponse(text=fe.tokenizer.decode(ids, skip_special=request.skip_special_tokens))
 
     async def ListModels(self, request, context):
-        fe = self.frontend
         self.metrics.count("grpc.ListModels", "OK")
-        info = router_pb2.ModelInfo(id=fe.served_model_name, architecture=fe.architecture,
-                                    fingerprint=fe.fingerprint, max_context=await fe.refresh_max_context(),
-                                    vocab_size=fe.tokenizer.vocab_size,
-                                    kind=router_pb2.MODEL_KIND_AUTOREGRESSIVE, created=fe.created,
-                                    owned_by="tensorserve")
-        return router_pb2.ListModelsResponse(models=[info])
+        return router_pb2.ListModelsResponse(models=[
+            router_pb2.ModelInfo(id=fe.served_model_name, architecture=fe.architecture, fingerprint=fe.fingerprint,
+                                 max_context=await fe.refresh_max_context(), vocab_size=fe.tokenizer.vocab_size,
+                                 kind=fe.kind, created=fe.created, owned_by="tensorserve")
+            for fe in self.models])
 
-def add_to_server(server: grpc.aio.Server, frontend: Frontend, metrics: RouterMetrics) -> None:
-    router_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, metrics), server)
+
+def add_to_server(server: grpc.aio.Server, models: ModelTable, metrics: RouterMetrics) -> None:
+    router_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(models, metrics), server)

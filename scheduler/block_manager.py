@@ -11,11 +11,10 @@ first, blocks that hold no cached prefix before any that do.
 """
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
+from shared.prefix_hash import block_hash  # noqa: F401  (re-exported: scheduler/block_format.py)
 
 
 class OutOfBlocks(RuntimeError):
@@ -31,15 +30,6 @@ class Block:
     token_ids: tuple[int, ...] = ()  # with hash: the tokens it holds
 
 
-def block_hash(salt: bytes, parent: bytes | None, token_ids) -> bytes:
-    """H(parent hash, the block's token ids, the model fingerprint): a prefix's identity, also
-    what a checkpointed block is checked against (scheduler/block_format.py)."""
-    h = hashlib.blake2b(parent or b"root", digest_size=16)
-    h.update(salt)
-    h.update(np.asarray(token_ids, np.int64).tobytes())
-    return h.digest()
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, fingerprint: str = ""):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -50,6 +40,7 @@ class BlockManager:
         self._children: dict[bytes | None, set[int]] = {}   # parent hash -> cached blocks that follow it
         self.queried_tokens = 0          # prompt tokens looked up in the prefix cache, since start
         self.hit_tokens = 0              # of those, tokens found cached
+        self.journal = None              # a PrefixJournal (scheduler/prefix_journal.py) told of each change
 
     # ------------------------------------------------------------------ counts
     @property
@@ -152,6 +143,8 @@ class BlockManager:
             if block.hash is None and chain[i] not in self._by_hash:
                 block.hash = chain[i]
                 self._by_hash[chain[i]] = block.block_id
+                if self.journal is not None:
+                    self.journal.added(chain[i])
                 if tokens is not None:
                     block.parent = chain[i - 1] if i else None
                     block.token_ids = tuple(tokens[i * bs:(i + 1) * bs])
@@ -165,12 +158,16 @@ class BlockManager:
             return False
         block.hash, block.parent, block.token_ids = digest, parent, tuple(token_ids)
         self._by_hash[digest] = block_id
+        if self.journal is not None:
+            self.journal.added(digest)
         self._children.setdefault(parent, set()).add(block_id)
         return True
 
     def _forget(self, block: Block) -> None:
         if self._by_hash.get(block.hash) == block.block_id:
             del self._by_hash[block.hash]
+            if self.journal is not None:
+                self.journal.removed(block.hash)
         siblings = self._children.get(block.parent)
         if siblings is not None:
             siblings.discard(block.block_id)
@@ -201,3 +198,5 @@ class BlockManager:
             block.hash, block.parent, block.token_ids = None, None, ()
         self._by_hash.clear()
         self._children.clear()
+        if self.journal is not None:
+            self.journal.clear(self.block_size, self.journal.fingerprint)

@@ -37,6 +37,7 @@ from scheduler.checkpoint_tier import CheckpointTier, checkpoint_stats, open_tie
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.events import final_event, progress_event
+from scheduler.prefix_journal import PrefixJournal
 from scheduler.stats import engine_stats
 from scheduler.sequence import Sequence
 from scheduler.speculative import SpeculativeController, SpeculativeStats, make_controller
@@ -102,6 +103,7 @@ class SchedulerCore:
         self.tokens_computed = 0
         self.steps = 0
         self._snapshot = scheduler_pb2.StatsResponse()
+        self.prefix_journal = PrefixJournal()           # the prefix cache's hashes, for WatchPrefixCache
         self._speculative_stats = SpeculativeStats()    # since start, across engines (worker restarts)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -313,12 +315,16 @@ class SchedulerCore:
         if self._tier is not None:
             self._tier.close()
         tier = self._tier = open_tier(self.config, d, client, self._stores) if self.enable_prefix_caching else None
-        return Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
+        engine = Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
                       max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                       fingerprint=d.fingerprint, enable_prefix_caching=self.enable_prefix_caching,
                       submit=self._submit, max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
                       num_decode_steps=self.num_decode_steps, checkpoints=tier,
                       speculative=self._speculative())
+        # a new engine starts with an empty prefix cache: the router's view of us starts again
+        self.prefix_journal.clear(d.block_size if self.enable_prefix_caching else 0, d.fingerprint)
+        engine.blocks.journal = self.prefix_journal
+        return engine
 
     def _speculative(self) -> SpeculativeController | None:
         """A new engine's controller; its counters go on from the last engine's (they are since start)."""
@@ -357,6 +363,7 @@ class SchedulerCore:
             self._by_seq.clear()
             if drop_engine:
                 self.engine = None
+                self.prefix_journal.clear()
                 self.health_message = message
                 self.worker_message = message
                 if self.client is not None:

@@ -25,6 +25,7 @@ from shared.step_codec import sampling_params_from_proto
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 2**20
+DEFAULT_WATCH_INTERVAL_MS = 50
 # Sequence ids name worker-side state (penalty history, RNG): start at a random offset so that two
 # schedulers, or a restarted one, never reuse an id a worker may still remember.
 _seq_ids = itertools.count(random.getrandbits(40) << 16)
@@ -123,6 +124,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         stats.status_message = message
         stats.components.extend(components)
         return stats
+
+    async def WatchPrefixCache(self, request, context):
+        interval = (request.interval_ms or DEFAULT_WATCH_INTERVAL_MS) / 1000
+        core, journal = self.core, self.core.prefix_journal
+        sent: set[bytes] = set()
+        seen_version, last = -1, None
+        while not core.draining:      # a stopping scheduler ends the stream (the router sees it gone)
+            serving, in_flight = core.engine is not None and not core.draining, core.in_flight()
+            if journal.version != seen_version or (serving, in_flight) != last:
+                seen_version = journal.version
+                added, removed = journal.changes_since(sent)
+                yield scheduler_pb2.PrefixCacheUpdate(
+                    reset=last is None, added=added, removed=removed, block_size=journal.block_size,
+                    fingerprint=journal.fingerprint, serving=serving, in_flight=in_flight)
+                last = (serving, in_flight)
+            await asyncio.sleep(interval)
 
     async def RegisterWorker(self, request, context):
         if not request.address:

@@ -42,11 +42,15 @@ class LoggingOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelOptions:
-    model: str = option(DEFAULT_MODEL, "bundled model name (see `tensorserve models`) or path to a GGUF file",
-                        ModelRef(), short="-m")
+class ModelCacheOptions:
     model_cache: str = option(DEFAULT_MODEL_CACHE, "folder where bundled models assembled on first use "
                               "(gemma3-270m) are kept", Text(metavar="DIR"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions(ModelCacheOptions):
+    model: str = option(DEFAULT_MODEL, "bundled model name (see `tensorserve models`) or path to a GGUF file",
+                        ModelRef(), short="-m")
 
 
 @dataclass(frozen=True, kw_only=True)

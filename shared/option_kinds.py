@@ -11,6 +11,7 @@ class Kind:
     """How one kind of value is parsed from text, checked, and written back."""
     accepted = "a string"
     metavar = "TEXT"
+    repeatable = False          # Repeated: the flag may be given several times
 
     def parse(self, text: str) -> Any:
         return text
@@ -171,3 +172,31 @@ class FilePath(Kind):
         if not path.is_file():
             raise ValueError(f"{text!r} is not an existing file")
         return str(path)
+
+
+class Repeated(Kind):
+    """An option given several times (`--model a --model b`, or a YAML list): its value is a tuple
+    of the inner kind's values. One flag, variable or YAML scalar gives one element."""
+    repeatable = True
+
+    def __init__(self, inner: Kind):
+        self.inner = inner
+        self.accepted = f"{inner.accepted} (repeat the flag for several)"
+        self.metavar = inner.metavar
+
+    def parse(self, text: str) -> tuple:
+        return (self.inner.parse(text),)
+
+    def parse_all(self, texts: list[str]) -> tuple:
+        return tuple(self.inner.parse(t) for t in texts)
+
+    def from_yaml(self, value: Any) -> tuple:
+        items = value if isinstance(value, list) else [value]
+        return tuple(self.inner.from_yaml(v) for v in items)
+
+    def format(self, value: tuple) -> str:
+        return " ".join(self.inner.format(v) for v in value)
+
+    def to_yaml(self, value: tuple) -> Any:
+        items = [self.inner.to_yaml(v) for v in value]
+        return items[0] if len(items) == 1 else items

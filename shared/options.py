@@ -86,15 +86,20 @@ class Option:
         return REDACTED if self.spec.secret else self.kind.format(value)
 
 
-def options_of(*classes: type, include_internal: bool = True, only: Iterable[str] | None = None) -> list[Option]:
+def options_of(*classes: type, include_internal: bool = True, only: Iterable[str] | None = None,
+               leave_out: Iterable[tuple[type, str]] = ()) -> list[Option]:
     """The options of configuration classes, each field once (a field shared through a common base
-    class appears once); two different fields of one name or one variable are an error."""
+    class appears once); two different fields of one name or one variable are an error.
+    `leave_out` names (class, field) pairs to skip (serve's --model is the router's, not the worker's)."""
     seen: dict[str, Option] = {}
     wanted = set(only) if only is not None else None
+    skipped = set(leave_out)
     for cls in classes:
         for f in dataclasses.fields(cls):
             spec = f.metadata.get("option")
             if spec is None or (spec.internal and not include_internal) or (wanted and f.name not in wanted):
+                continue
+            if (cls, f.name) in skipped:
                 continue
             opt = Option(f.name, f.default, spec)
             if f.name in seen:
@@ -129,6 +134,9 @@ def add_flags(parser: argparse.ArgumentParser, options: list[Option], config_fil
         if isinstance(opt.kind, Flag):
             group.add_argument(*opt.flags, dest=opt.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=text)
+        elif opt.kind.repeatable:
+            group.add_argument(*opt.flags, dest=opt.name, action="append", default=argparse.SUPPRESS,
+                               metavar=opt.kind.metavar, help=text)
         else:
             group.add_argument(*opt.flags, dest=opt.name, default=argparse.SUPPRESS,
                                metavar=opt.kind.metavar, help=text)
@@ -198,7 +206,8 @@ def resolve(options: list[Option], flags: argparse.Namespace | Mapping[str, Any]
     given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
     environ = os.environ if environ is None else environ
     file_values = read_config_file(config_file) if config_file else {}
-    aliases = {a.lstrip("-").replace("-", "_"): o.name for o in options for a in o.spec.aliases}
+    aliases = {a.lstrip("-").replace("-", "_"): o.name for o in options for a in (o.flag, *o.spec.aliases)
+               if a.startswith("--")}
     file_values = {aliases.get(k, k): v for k, v in file_values.items()}      # e.g. max_model_len, port
     known = {o.name for o in options}
     unknown = sorted(set(file_values) - known)
@@ -212,6 +221,8 @@ def resolve(options: list[Option], flags: argparse.Namespace | Mapping[str, Any]
             raw, origin = given[opt.name], f"flag {opt.flag}"
             if isinstance(raw, str):
                 values[opt.name] = _parse(opt, raw, f"flag {opt.flag}")
+            elif opt.kind.repeatable and isinstance(raw, list):      # the flag given several times
+                values[opt.name] = tuple(v for r in raw for v in _parse(opt, r, f"flag {opt.flag}"))
             else:
                 values[opt.name] = raw
         elif (name := next((e for e in opt.env if environ.get(e, "") != ""), None)) is not None:
@@ -259,6 +270,9 @@ def to_argv(options: list[Option], config: Any) -> tuple[list[str], dict[str, st
             env[opt.env[0]] = str(value)
         elif isinstance(opt.kind, Flag):
             argv.append(opt.flag if value else "--no-" + opt.flag[2:])
+        elif opt.kind.repeatable:
+            for item in value:
+                argv += [opt.flag, opt.kind.inner.format(item)]
         else:
             argv += [opt.flag, opt.kind.format(value)]
     return argv, env

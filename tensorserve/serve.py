@@ -1,5 +1,10 @@
 """`tensorserve serve`: worker, scheduler and router as child processes on localhost.
 
+One scheduler+worker group per model (`--model`, repeatable) and replica (`--replicas N`), each
+worker with its own KV pool of --kv-memory; one router in front of them all, which picks a
+model's replica by cached prefix (router/prefix_routing.py). With one group the children are
+named worker, scheduler and router; with several, worker/<model>/<replica> and so on.
+
 Every option of the three processes that a user sets is a flag (and TS_* variable and --config
 key) here; serve hands each to the process that uses it and sets the rest itself.
 
@@ -29,8 +34,9 @@ from router import config as router_config
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig, check_speculative
 from shared.common_config import LoggingOptions, configure
-from shared.option_kinds import Number, Text
+from shared.option_kinds import Integer, Number, Text
 from shared.options import Resolved, add_flags, environment_without, option, options_of
+from shared.served_models import ServedModel, served_models
 from tensorserve.supervisor import Child, free_port, write_status
 from worker import config as worker_config
 from worker.config import WorkerConfig
@@ -44,10 +50,16 @@ class ServeOptions(LoggingOptions):
                                     "once serving", Text(metavar="FILE"), env="TS_READY_FILE")
     start_timeout: float = option(600.0, "seconds each child process may take to start (the first start "
                                   "compiles the kernels)", Number(0, exclusive=True), env="TS_START_TIMEOUT")
+    replicas: int = option(1, "scheduler+worker groups per model, each a worker with its own --kv-memory; the "
+                           "router sends a request to the replica holding the longest cached prefix of it "
+                           "(--routing)", Integer(1, 64))
 
 
 # every user-facing option of the three processes, each once; serve assigns the internal ones
-OPTIONS = options_of(RouterConfig, WorkerConfig, SchedulerConfig, ServeOptions, include_internal=False)
+# (--model is the router's, repeatable: serve gives each worker its one model)
+OPTIONS = options_of(RouterConfig, WorkerConfig, SchedulerConfig, ServeOptions, include_internal=False,
+                     leave_out=[(WorkerConfig, "model")])
+WORKER_MODEL = next(o for o in options_of(WorkerConfig) if o.name == "model")
 CHILD_OPTIONS = {"worker": options_of(WorkerConfig), "scheduler": options_of(SchedulerConfig),
                  "router": options_of(RouterConfig)}
 
@@ -56,9 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, OPTIONS)
 
 
+def for_model(resolved: Resolved, model: ServedModel) -> Resolved:
+    """The options as one model's worker sees them (its checks name --model)."""
+    return dataclasses.replace(resolved, options=[*resolved.options, WORKER_MODEL],
+                               values={**resolved.values, "model": model.ref},
+                               sources={**resolved.sources, "model": resolved.source("models")})
+
+
 def _check(resolved: Resolved) -> None:
-    worker_config.check(resolved)
     router_config.check(resolved)
+    for model in served_models(resolved.values["models"], resolved.values["served_model_name"]):
+        worker_config.check(for_model(resolved, model))
     check_speculative(resolved)
 
 
@@ -68,6 +88,8 @@ def run(flags: argparse.Namespace) -> int:
         return configured
     args, resolved = configured
     token = secrets.token_hex(16)        # the children's internal token: only they know it
+    models = served_models(resolved.values["models"], resolved.values["served_model_name"])
+    groups = [(m, r) for m in models for r in range(args.replicas)]
     worker_cfg = resolved.build(WorkerConfig, host="127.0.0.1", port=0, internal_token=token)
     scheduler_cfg = resolved.build(SchedulerConfig, host="127.0.0.1", port=0, internal_token=token)
     router_cfg = resolved.build(RouterConfig, internal_token=token)
@@ -84,35 +106,46 @@ def run(flags: argparse.Namespace) -> int:
         status_path = ready_dir / "supervisor.json"
         environment = environment_without(o for options in CHILD_OPTIONS.values() for o in options)
 
-        def child(name: str, config: Any) -> Child:
-            c = Child(name, CHILD_OPTIONS[name], config, ready_dir, args.start_timeout, environment)
+        def child(name: str, config: Any, group: str | None = None) -> Child:
+            c = Child(name, CHILD_OPTIONS[name], config, ready_dir, args.start_timeout, environment,
+                      label=name if group is None else f"{name}/{group}")
             children.append(c)
             return c
+
+        def group_name(model: ServedModel, replica: int) -> str | None:
+            return None if len(groups) == 1 else f"{model.name}/{replica}"
         try:
             # fixed ports: a restarted worker or scheduler comes back where its client dials
-            worker = child("worker", dataclasses.replace(worker_cfg, port=free_port()))
-            worker_addr = worker.wait_ready([])["address"]
-            scheduler = child("scheduler", dataclasses.replace(scheduler_cfg, worker=worker_addr, port=free_port()))
-            scheduler_addr = scheduler.wait_ready([worker])["address"]
+            workers = [child("worker", dataclasses.replace(worker_cfg, model=m.ref, port=free_port()), group_name(m, r))
+                       for m, r in groups]
+            schedulers = [child("scheduler", dataclasses.replace(scheduler_cfg, worker=w.wait_ready(workers)["address"],
+                                                                 port=free_port()), group_name(m, r))
+                          for (m, r), w in zip(groups, workers)]
+            addresses: dict[str, list[str]] = {}
+            for (m, _), s in zip(groups, schedulers):
+                addresses.setdefault(m.name, []).append(s.wait_ready(children)["address"])
             write_status(status_path, children)
-            router = child("router", dataclasses.replace(router_cfg, scheduler=scheduler_addr,
+            entries = tuple(f"{name}={','.join(a)}" if len(models) > 1 else ",".join(a)
+                            for name, a in addresses.items())
+            router = child("router", dataclasses.replace(router_cfg, scheduler=entries,
                                                          supervisor_status=str(status_path)))
-            public = router.wait_ready([worker, scheduler])
+            public = router.wait_ready(children)
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             for c in reversed(children):
                 c.stop(2.0)
             return 1
 
-        info = {**public, "pids": {c.name: c.proc.pid for c in children}}
+        info = {**public, "pids": {c.label: c.proc.pid for c in children}}
         if args.ready_file:
             Path(args.ready_file).write_text(json.dumps(info))
-        print(f"TensorServe is serving {router_cfg.model}: OpenAI API at http://{public['http']}/v1, "
+        print(f"TensorServe is serving {', '.join(m.name for m in models)}"
+              f"{f' ({args.replicas} replicas each)' if args.replicas > 1 else ''}: OpenAI API at http://{public['http']}/v1, "
               f"gRPC Generation at {public['grpc']}", flush=True)
 
         written = write_status(status_path, children)
         while stop["signal"] is None and router.alive:
-            for c in (worker, scheduler):
+            for c in (*workers, *schedulers):
                 c.supervise(time.monotonic())
             written = write_status(status_path, children, unless=written)
             time.sleep(0.1)

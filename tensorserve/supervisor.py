@@ -39,9 +39,10 @@ class Child:
     environment, and none of the product's variables (its configuration is serve's alone)."""
 
     def __init__(self, name: str, options: list[Option], config: Any, ready_dir: Path, start_timeout: float,
-                 environment: dict[str, str]):
-        self.name = name
-        self.ready = ready_dir / f"{name}.json"
+                 environment: dict[str, str], label: str | None = None):
+        self.name = name                # the process package: router, scheduler or worker
+        self.label = label or name      # how it is named in messages and the status ('worker/<model>/<replica>')
+        self.ready = ready_dir / (self.label.replace("/", "_") + ".json")
         self.start_timeout = start_timeout
         self.config = dataclasses.replace(config, ready_file=str(self.ready))
         self.args, secrets = to_argv(options, self.config)
@@ -57,7 +58,7 @@ class Child:
     def start(self) -> None:
         self.ready.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", f"{self.name}.main", *self.args]
-        log.info("starting %s: %s", self.name, " ".join(cmd))
+        log.info("starting %s: %s", self.label, " ".join(cmd))
         self.proc = subprocess.Popen(cmd, env=self.environment)
         self.started_at = time.monotonic()
 
@@ -81,10 +82,10 @@ class Child:
                     pass            # being written
             for c in [self, *others]:
                 if not c.alive:
-                    raise RuntimeError(f"{c.name} exited with status {c.proc.returncode} while starting; "
+                    raise RuntimeError(f"{c.label} exited with status {c.proc.returncode} while starting; "
                                        "see its messages above")
             time.sleep(0.1)
-        raise RuntimeError(f"{self.name} did not become ready within {self.start_timeout:.0f} s (--start-timeout)")
+        raise RuntimeError(f"{self.label} did not become ready within {self.start_timeout:.0f} s (--start-timeout)")
 
     def stop(self, grace: float) -> None:
         self.restart_at = None
@@ -93,7 +94,7 @@ class Child:
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s; killing it", self.name, grace)
+                log.warning("%s did not stop within %.0f s; killing it", self.label, grace)
                 self.proc.kill()
                 self.proc.wait()
 
@@ -107,7 +108,7 @@ class Child:
             self.failures_in_a_row = 1 if up > HEALTHY_AFTER_S else self.failures_in_a_row + 1
             delay = min(BACKOFF_MAX_S, BACKOFF_START_S * 2 ** (self.failures_in_a_row - 1))
             self.restart_at = now + delay
-            print(f"tensorserve: {self.name} exited with status {self.last_exit} after {up:.0f} s; restarting it "
+            print(f"tensorserve: {self.label} exited with status {self.last_exit} after {up:.0f} s; restarting it "
                   f"in {delay:g} s (restart {self.restarts + 1}); requests meanwhile get 503", file=sys.stderr,
                   flush=True)
         elif now >= self.restart_at:
@@ -123,7 +124,7 @@ class Child:
 def write_status(path: Path, children: list[Child], unless: dict | None = None) -> dict:
     """The children's states and restart counts, for the router (--supervisor-status); written
     only when they differ from `unless` (what was written last). Returns them."""
-    status = {c.name: c.status() for c in children}
+    status = {c.label: c.status() for c in children}
     if status != unless:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(status))

@@ -16,7 +16,9 @@ import yaml
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from shared.common_config import ModelRef
-from shared.option_kinds import Address, Choice, FilePath, Flag, Integer, Number, Port, Size, Text, parse_size
+from shared.option_kinds import (Address, Choice, FilePath, Flag, Integer, Number, Port, Repeated, Size, Text,
+                                 parse_size)
+from shared.served_models import ModelEntry, SchedulerGroup
 from shared.options import ConfigError, Option, options_of, resolve
 from tensorserve import cli, options_table
 from tensorserve.serve import OPTIONS as SERVE_OPTIONS
@@ -35,6 +37,8 @@ def _id(item):
 def sample(opt: Option, tmp: Path) -> str:
     """A valid value of the option, other than its default, as a user would type it."""
     kind = opt.kind
+    if isinstance(kind, Repeated):      # one element, as one flag or variable gives
+        return {ModelEntry: "gemma3-270m", SchedulerGroup: "127.0.0.1:4321"}[type(kind.inner)]
     if isinstance(kind, ModelRef):
         return "gemma3-270m" if opt.default != "gemma3-270m" else "smollm2-135m"
     if isinstance(kind, Flag):
@@ -101,10 +105,13 @@ def test_each_option_has_one_name_across_the_product():
     for _, opt in ALL + [("serve", o) for o in options_of(ServeOptions)]:
         by_env.setdefault(opt.env[0], set()).add(id(opt.spec))
     shared = {e: ids for e, ids in by_env.items() if len(ids) > 1}
-    # TS_READY_FILE: the router's ready file and serve's are the same file for a user: serve's own
-    assert set(shared) <= {"TS_READY_FILE"}, shared
-    model = [o for _, o in ALL if o.name == "model"]
-    assert len(model) == 2 and model[0].spec is model[1].spec       # router and worker: one definition
+    # TS_READY_FILE: the router's ready file and serve's are the same file for a user: serve's own;
+    # TS_MODEL / --model: the router's models (repeatable) and a worker's one model, which serve
+    # hands each worker (serve takes the router's)
+    assert set(shared) <= {"TS_READY_FILE", "TS_MODEL"}, shared
+    model = [o for _, o in ALL if o.flag == "--model"]
+    assert sorted(o.name for o in model) == ["model", "models"]
+    assert [o.name for o in SERVE_OPTIONS if o.flag == "--model"] == ["models"]
 
 
 @pytest.mark.parametrize("process", [*PROCESSES, "serve"])

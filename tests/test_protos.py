@@ -49,7 +49,7 @@ def test_services_are_complete():
         "ListModels": (False, False)}
     assert _methods(scheduler_pb2, "Scheduler") == {
         "Submit": (False, True), "Abort": (False, False), "Stats": (False, False),
-        "RegisterWorker": (False, False)}
+        "RegisterWorker": (False, False), "WatchPrefixCache": (False, True)}
     assert _methods(worker_pb2, "Worker") == {
         "Describe": (False, False), "Step": (False, False), "StepStream": (True, True),
         "ExportBlocks": (False, False),

@@ -21,7 +21,8 @@ class WorkerConfig(InternalOptions, TransportOptions, LoggingOptions, ModelOptio
     ready_file: str | None = option(None, 'write {"address": "host:port", "pid": N, ...} here once listening',
                                     Text(metavar="FILE"), env="TS_WORKER_READY_FILE", internal=True)
     kv_memory: int = option(DEFAULT_KV_MEMORY, "memory of the KV block pool, allocated and made resident at "
-                            "start as llama.cpp's KV buffer is", Size())
+                            "start as llama.cpp's KV buffer is; per worker (serve starts one per model and "
+                            "replica, each with this much)", Size())
     block_size: int = option(16, "tokens per KV block", Integer(1, 4096))
     kv_cache_dtype: str = option("f16", "how the KV pool holds K and V: f16 (llama.cpp's default), or quantized in "
                                  "place as ggml's q8_0 (34 bytes per 32 values) or q4_0 (18), which hold 1.9x "

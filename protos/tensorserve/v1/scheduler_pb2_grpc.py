@@ -54,6 +54,11 @@ class SchedulerStub:
                 request_serializer=tensorserve_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.SerializeToString,
                 response_deserializer=tensorserve_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
+        self.WatchPrefixCache = channel.unary_stream(
+                '/tensorserve.v1.Scheduler/WatchPrefixCache',
+                request_serializer=tensorserve_dot_v1_dot_scheduler__pb2.WatchPrefixCacheRequest.SerializeToString,
+                response_deserializer=tensorserve_dot_v1_dot_scheduler__pb2.PrefixCacheUpdate.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -86,6 +91,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPrefixCache(self, request, context):
+        """The block hashes of the prefix cache, for the router's prefix-aware replica choice: the
+        first update carries every hash held (reset), the later ones what was added and evicted
+        since, at most every interval_ms and only when something changed. A restarted scheduler
+        starts from an empty cache, so a router that reconnects starts again from a reset.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +123,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.RegisterWorker,
                     request_deserializer=tensorserve_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.FromString,
                     response_serializer=tensorserve_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'WatchPrefixCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPrefixCache,
+                    request_deserializer=tensorserve_dot_v1_dot_scheduler__pb2.WatchPrefixCacheRequest.FromString,
+                    response_serializer=tensorserve_dot_v1_dot_scheduler__pb2.PrefixCacheUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +238,33 @@ class Scheduler:
             '/tensorserve.v1.Scheduler/RegisterWorker',
             tensorserve_dot_v1_dot_scheduler__pb2.RegisterWorkerRequest.SerializeToString,
             tensorserve_dot_v1_dot_scheduler__pb2.RegisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tensorserve.v1.Scheduler/WatchPrefixCache',
+            tensorserve_dot_v1_dot_scheduler__pb2.WatchPrefixCacheRequest.SerializeToString,
+            tensorserve_dot_v1_dot_scheduler__pb2.PrefixCacheUpdate.FromString,
             options,
             channel_credentials,
             insecure,
