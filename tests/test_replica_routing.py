@@ -61,6 +61,7 @@ def test_prefix_aware_routing_hits_the_shared_system_prompt(served):
     assert _routed(served, 0) > 0 and _routed(served, 1) > 0        # both replicas took system prompts
 
 
+@pytest.mark.slow       # the comparison itself is loadtest/bench_routing.py's; ~40 s of CI
 def test_round_robin_misses_where_prefix_aware_hits(tmp_path):
     proc, info = _serve(tmp_path, "round-robin")
     try:
