@@ -23,17 +23,16 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import started_server as serving_stack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("amber basalt cedar delta ember fjord granite harbor island juniper kelp lagoon meadow nectar "
@@ -103,31 +102,10 @@ def routed_counts(metrics_text: str) -> dict[str, float]:
 
 @contextlib.contextmanager
 def started_server(model: str, replicas: int, routing: str, kv_memory: str, extra: list[str] = ()) -> Iterator[str]:
-    """`tensorserve serve --replicas N --routing R` on free ports; yields its base URL."""
-    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
-        ready, log = Path(tmp) / "serve.json", Path(tmp) / "serve.log"
-        cmd = [sys.executable, "-m", "tensorserve", "serve", "--model", model, "--replicas", str(replicas),
-               "--routing", routing, "--kv-memory", kv_memory, "--no-prefix-checkpoints", "--speculative", "off",
-               "--http-port", "0", "--grpc-port", "0", "--ready-file", str(ready), *extra]
-        with open(log, "wb") as log_f:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline, info = time.monotonic() + 600, None
-            while info is None:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"tensorserve serve did not start:\n{log.read_text(errors='replace')[-3000:]}")
-                with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                    info = json.loads(ready.read_text())
-                time.sleep(0.2)
-            yield f"http://{info['http']}"
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+    """`tensorserve serve --replicas N --routing R` on free ports (bench_serving's); yields its base URL."""
+    with serving_stack(model, ["--replicas", str(replicas), "--routing", routing, "--kv-memory", kv_memory,
+                               "--no-prefix-checkpoints", "--speculative", "off", *extra]) as base:
+        yield base
 
 
 def main(argv: list[str] | None = None) -> int:
