@@ -25,7 +25,7 @@ from protos.tensorserve.v1 import common_pb2, router_pb2, scheduler_pb2
 from router.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateMissing
 from router.detokenizer import IncrementalDetokenizer
 from router.requests import (  # noqa: F401  (re-exported for the front ends)
-    DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent, StopStringMatcher, TokenLogprob, error_from_rpc)
+    CanvasEvent, DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent, StopStringMatcher, TokenLogprob, error_from_rpc)
 from router.replicas import Replica, ReplicaSet
 from router.scheduler_client import SchedulerClient  # noqa: F401  (re-exported)
 from router.tokenizer import Tokenizer
@@ -37,6 +37,9 @@ from shared.step_codec import sampling_params_to_proto
 log = logging.getLogger("tensorserve.router")
 
 HEALTH_TIMEOUT_S = 2.0
+# a diffusion request's canvas when the client sets no max_tokens (the context would make every
+# step a pass over thousands of positions)
+DIFFUSION_DEFAULT_MAX_TOKENS = 128
 STATS_TIMEOUT_S = 2.0
 
 FINISH_NAMES = {
@@ -76,9 +79,9 @@ class Frontend:
     """One served model: tokenizer, chat template, validation, and generation through one of its
     scheduler replicas (router/replicas.py).
 
-    `kind` is the model's ModelKind. Only autoregressive models are generated here; a diffusion
-    model's requests will take the diffusion path (router.proto's CanvasReplace events), plugged
-    in at `generate` below, the one place that branches on it."""
+    `kind` is the model's ModelKind. A diffusion model's requests carry DiffusionOptions to its
+    scheduler, whose stream adds a canvas after every denoising step (CanvasEvent here, router.proto's
+    CanvasReplace); its tokens arrive block by block like an autoregressive model's."""
 
     def __init__(self, model: str, scheduler_addresses: list[str] | str | None, served_model_name: str | None = None,
                  metrics: Any = None, chat_template: str | None = None, internal_token: str | None = None,
@@ -92,12 +95,19 @@ class Frontend:
         self.kind = model_kind(gguf)
         self.served_model_name = served_model_name or model_name(model)
         self.tokenizer = Tokenizer.from_metadata(md)
+        self.mask_token_id = int(md.get("tokenizer.ggml.mask_token_id", -1))
         self.chat_template: ChatTemplate | None
         self.chat_template_error: str | None = None
         try:
             self.chat_template = (ChatTemplate.from_file(chat_template, self.tokenizer) if chat_template
                                   else ChatTemplate.from_metadata(md, self.tokenizer))
-        except (ChatTemplateMissing, ChatTemplateError) as exc:
+        except ChatTemplateMissing as exc:
+            if self.kind == router_pb2.MODEL_KIND_DIFFUSION:   # as llama-diffusion-cli --chat does
+                self.chat_template = ChatTemplate.chatml(self.tokenizer)
+            else:
+                self.chat_template = None
+                self.chat_template_error = str(exc)
+        except ChatTemplateError as exc:
             self.chat_template = None
             self.chat_template_error = str(exc)
         self.gguf_context = int(md.get(f"{self.architecture}.context_length", 0) or 0)
@@ -207,6 +217,41 @@ class Frontend:
                                 f"completion); lower max_tokens to at most {m - len(prompt_ids)} or shorten "
                                 "the prompt", 400, code="context_length_exceeded", param="max_tokens")
 
+    @property
+    def is_diffusion(self) -> bool:
+        return self.kind == router_pb2.MODEL_KIND_DIFFUSION
+
+    def default_max_tokens(self, prompt_ids: list[int]) -> int:
+        """max_tokens when a chat request sets none: what the context leaves (a diffusion model's
+        canvas: at most DIFFUSION_DEFAULT_MAX_TOKENS)."""
+        left = max(1, self.max_context - len(prompt_ids))
+        return min(left, DIFFUSION_DEFAULT_MAX_TOKENS) if self.is_diffusion else left
+
+    def check_diffusion(self, options: common_pb2.DiffusionOptions | None, params: SamplingParams) -> None:
+        """Diffusion options only for a diffusion model, which has no logprobs."""
+        if options is not None and not self.is_diffusion:
+            raise FrontendError(f"diffusion options were given, but '{self.served_model_name}' is an "
+                                "autoregressive model: leave 'diffusion' out", 400, code="invalid_value",
+                                param="diffusion")
+        if self.is_diffusion and params.logprobs is not None:
+            raise FrontendError(f"'{self.served_model_name}' is a text-diffusion model, which returns no "
+                                "logprobs: leave logprobs unset", 400, code="unsupported_value", param="logprobs")
+
+    def canvas_text(self, ids) -> str:
+        """The canvas with every masked position shown as the mask token's text."""
+        mask, parts, run = self.mask_token_id, [], []
+        for t in ids:
+            if t == mask:
+                if run:
+                    parts.append(self.tokenizer.decode(run))
+                    run = []
+                parts.append(self.token_str(mask))
+            else:
+                run.append(t)
+        if run:
+            parts.append(self.tokenizer.decode(run))
+        return "".join(parts)
+
     @staticmethod
     def new_request_id(prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
@@ -220,9 +265,6 @@ class Frontend:
         whose error is set. Closing the iterator early cancels the Submit call,
         which aborts the sequence upstream.
         """
-        if self.kind != router_pb2.MODEL_KIND_AUTOREGRESSIVE:   # the diffusion path plugs in here
-            raise FrontendError(f"the model '{self.served_model_name}' is a diffusion model, which this router "
-                                "cannot serve yet", 501, code="unsupported_model")
         if self.replicas is None:
             raise FrontendError("the router has no scheduler to send requests to (start it with --scheduler)",
                                 503, code="unavailable")
@@ -233,6 +275,10 @@ class Frontend:
             req.prompt_logprobs = p.prompt_logprobs
         if p.speculative is not None:
             req.speculative = p.speculative
+        if self.is_diffusion:
+            req.diffusion.SetInParent()
+            if p.diffusion is not None:
+                req.diffusion.CopyFrom(p.diffusion)
         metrics = self.metrics
         t0 = time.perf_counter()
         t_last: float | None = None
@@ -284,6 +330,9 @@ class Frontend:
                             text = (p.prompt_text if p.prompt_text is not None
                                     else self.tokenizer.decode(p.prompt_ids))
                             yield PromptEvent(list(p.prompt_ids), text, lps)
+                    if ev.HasField("canvas"):
+                        ids = list(ev.canvas.token_ids)
+                        yield CanvasEvent(ids, self.canvas_text(ids), int(ev.canvas.step))
                     if ev.tokens:
                         now = time.perf_counter()
                         if metrics is not None:

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router import openapi_schemas as schemas
 from router import openai_shapes as oa
 from router import request_limits as limits
-from router.frontend import DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent
+from router.frontend import CanvasEvent, DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent
 from router.http_events import ClientDisconnected, chain, events, prime
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from router.model_table import ModelTable
@@ -116,9 +116,11 @@ def create_app(models: ModelTable, metrics: RouterMetrics, api_key: str | None =
         params = frontend.make_params(max_tokens=1 if score_only else max_tokens, logprobs=logprobs,
                                       **oa.common_sampling(body))
         await frontend.check_prompt_length(ids, None if score_only else params.max_tokens)
+        diffusion = oa.diffusion_options(body)
+        frontend.check_diffusion(diffusion, params)
         p = Prepared(frontend.new_request_id("cmpl"), ids, text, params, oa.get_stop(body), echo=echo,
                      prompt_logprobs=logprobs if echo else None, endpoint="completions",
-                     speculative=oa.speculative(body), frontend=frontend)
+                     speculative=oa.speculative(body), frontend=frontend, diffusion=diffusion)
         p.score_only = score_only  # type: ignore[attr-defined]
         return p, stream, include_usage
 
@@ -179,6 +181,8 @@ def create_app(models: ModelTable, metrics: RouterMetrics, api_key: str | None =
                         lp = lpc.add(ev.logprobs or []) if want_lp else None
                         if ev.text or (lp and lp["tokens"]):
                             yield oa.sse(chunk(ev.text, lp, None))
+                    elif isinstance(ev, CanvasEvent):
+                        yield oa.canvas_sse(chunk("", None, None), ev)
                     elif ev.error is not None:
                         status = ev.error.status
                         yield oa.sse(ev.error.to_openai())
@@ -243,13 +247,15 @@ def create_app(models: ModelTable, metrics: RouterMetrics, api_key: str | None =
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         asked = max_tokens is not None
         if max_tokens is None:
-            max_tokens = max(1, frontend.max_context - len(ids))
+            max_tokens = frontend.default_max_tokens(ids)
         params = frontend.make_params(max_tokens=max_tokens, logprobs=(top or 0) if want_lp else None,
                                       **oa.common_sampling(body))
         if asked:
             await frontend.check_prompt_length(ids, params.max_tokens)
+        diffusion = oa.diffusion_options(body)
+        frontend.check_diffusion(diffusion, params)
         p = Prepared(frontend.new_request_id("chatcmpl"), ids, text, params, oa.get_stop(body), endpoint="chat",
-                     speculative=oa.speculative(body), frontend=frontend)
+                     speculative=oa.speculative(body), frontend=frontend, diffusion=diffusion)
         return p, stream, include_usage
 
     @app.post("/v1/chat/completions", openapi_extra=schemas.body(schemas.CHAT_COMPLETION_REQUEST))
@@ -304,6 +310,8 @@ def create_app(models: ModelTable, metrics: RouterMetrics, api_key: str | None =
                         lp = oa.chat_logprobs(ev.logprobs or []) if want_lp else None
                         if ev.text or lp:
                             yield oa.sse(chunk({"content": ev.text}, lp, None))
+                    elif isinstance(ev, CanvasEvent):
+                        yield oa.canvas_sse(chunk({}, None, None), ev)
                     elif isinstance(ev, FinishEvent):
                         if ev.error is not None:
                             status = ev.error.status

@@ -7,7 +7,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from router.frontend import FinishEvent, FrontendError, TokenLogprob
+from protos.tensorserve.v1 import common_pb2
+from router.frontend import CanvasEvent, FinishEvent, FrontendError, TokenLogprob
 from router.request_limits import check_stop
 
 
@@ -94,6 +95,40 @@ def speculative(body: dict) -> bool | None:
     if v is not None and not isinstance(v, bool):
         raise bad("speculative must be a boolean", "speculative")
     return v
+
+
+_DIFFUSION_FIELDS = {"steps": int, "block_length": int, "algorithm": str, "threshold": float, "gamma": float}
+
+
+def diffusion_options(body: dict) -> common_pb2.DiffusionOptions | None:
+    """The extension object `diffusion` ({steps, block_length, algorithm, threshold, gamma}) of a
+    request to a text-diffusion model; ranges are checked by the scheduler, which knows the prompt."""
+    v = body.get("diffusion")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad("diffusion must be an object with any of: " + ", ".join(_DIFFUSION_FIELDS), "diffusion")
+    out = common_pb2.DiffusionOptions()
+    for name, value in v.items():
+        kind = _DIFFUSION_FIELDS.get(name)
+        if kind is None:
+            raise bad(f"diffusion.{name} is not a diffusion option; the options are "
+                      + ", ".join(_DIFFUSION_FIELDS), f"diffusion.{name}")
+        ok = (isinstance(value, str) if kind is str else
+              isinstance(value, int) if kind is int else isinstance(value, (int, float)))
+        if not ok or isinstance(value, bool):
+            raise bad(f"diffusion.{name} must be {'a string' if kind is str else 'an integer' if kind is int else 'a number'}"
+                      f", got {value!r}", f"diffusion.{name}")
+        setattr(out, name, value)
+    return out
+
+
+def canvas_sse(chunk: dict, ev: CanvasEvent) -> bytes:
+    """A text-diffusion canvas as an SSE event named `canvas`: an ordinary chunk of the stream's kind
+    with nothing new in its choice (so an OpenAI client that reads every event sees an empty
+    delta) and the canvas in an extension field; EventSource clients see it only by that name."""
+    chunk["canvas"] = {"text": ev.text, "token_ids": ev.token_ids, "step": ev.step}
+    return b"event: canvas\n" + sse(chunk)
 
 
 def usage(f: FinishEvent) -> dict:

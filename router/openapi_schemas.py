@@ -22,6 +22,11 @@ _SAMPLING = {
     "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
     "ignore_eos": {"type": ["boolean", "null"]},
     "speculative": {"type": ["boolean", "null"]},
+    "diffusion": {"type": ["object", "null"], "description": "text-diffusion models only", "properties": {
+        "steps": {"type": "integer", "minimum": 1}, "block_length": {"type": "integer", "minimum": 1},
+        "algorithm": {"type": "string", "enum": ["confidence", "entropy", "margin", "random", "origin",
+                                                 "low_confidence", "entropy_bound"]},
+        "threshold": {"type": "number"}, "gamma": {"type": "number"}}, "additionalProperties": False},
     "stream": {"type": ["boolean", "null"]},
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
     "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},

@@ -89,6 +89,15 @@ class DeltaEvent:
 
 
 @dataclass
+class CanvasEvent:
+    """Text diffusion: the whole canvas after the prompt after a denoising step (masked positions
+    shown as the mask token's text); it replaces the canvas sent before."""
+    token_ids: list[int]
+    text: str
+    step: int
+
+
+@dataclass
 class FinishEvent:
     finish_reason: str            # "stop", "length", "abort", "error"
     prompt_tokens: int
@@ -111,6 +120,7 @@ class Prepared:
     endpoint: str = "generate"
     speculative: bool | None = None          # False: no speculative decoding for this request
     frontend: object = None                  # the model's Frontend (router/model_table.py)
+    diffusion: object = None                 # common_pb2.DiffusionOptions sent with the request, if any
 
 
 # ----------------------------------------------------------------------------- stop strings

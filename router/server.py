@@ -7,7 +7,7 @@ import time
 import grpc
 
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.frontend import DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent, TokenLogprob
+from router.frontend import CanvasEvent, DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent, TokenLogprob
 from router.model_table import ModelTable
 from router import request_limits as limits
 from router.metrics import RouterMetrics
@@ -58,10 +58,12 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
             raise FrontendError(str(exc), 400, code="invalid_value", param=str(exc).split(" ", 1)[0]) from None
         asked = request.sampling.HasField("max_tokens")
         await fe.check_prompt_length(ids, params.max_tokens if asked else None)
+        diffusion = request.diffusion if request.HasField("diffusion") else None
+        fe.check_diffusion(diffusion, params)
         return Prepared(request.request_id or fe.new_request_id("gen"), ids, text, params,
                         limits.check_stop([s for s in request.stop if s]), echo=request.echo,
                         prompt_logprobs=params.logprobs if request.echo else None, endpoint="grpc.Generate",
-                        frontend=fe)
+                        frontend=fe, diffusion=diffusion)
 
     async def Generate(self, request, context):
         endpoint = "grpc.Generate"
@@ -105,6 +107,9 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
                     out.prompt.text = ev.text
                     for lp in ev.logprobs or []:
                         out.prompt.logprobs.append(_token_logprob_pb(lp))
+                elif isinstance(ev, CanvasEvent):
+                    out.replace.token_ids.extend(ev.token_ids)
+                    out.replace.text = ev.text
                 elif isinstance(ev, DeltaEvent):
                     if not ev.token_ids and not ev.text:
                         ev = await gen.__anext__()

@@ -35,6 +35,7 @@ import grpc
 from protos.tensorserve.v1 import common_pb2, scheduler_pb2
 from scheduler.checkpoint_tier import CheckpointTier, checkpoint_stats, open_tier
 from scheduler.config import SchedulerConfig
+from scheduler.diffusion.serving import DiffusionEngine, diffusion_progress_event, diffusion_stats
 from scheduler.engine import Engine
 from scheduler.events import final_event, progress_event
 from scheduler.prefix_journal import PrefixJournal
@@ -104,6 +105,8 @@ class SchedulerCore:
         self.steps = 0
         self._snapshot = scheduler_pb2.StatsResponse()
         self.prefix_journal = PrefixJournal()           # the prefix cache's hashes, for WatchPrefixCache
+        # the engine's kind decides these: an autoregressive Engine's, or a text-diffusion model's
+        self._stats_of, self._progress_of = engine_stats, progress_event
         self._speculative_stats = SpeculativeStats()    # since start, across engines (worker restarts)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -311,9 +314,15 @@ class SchedulerCore:
                  d.max_context, d.vocab_size, client.transport)
         return True
 
-    def _new_engine(self, d, client: WorkerClient) -> Engine:
+    def _new_engine(self, d, client: WorkerClient) -> Engine | DiffusionEngine:
         if self._tier is not None:
             self._tier.close()
+            self._tier = None
+        if d.diffusion:     # non-causal passes over whole canvases: no KV blocks, no prefix cache
+            self._stats_of, self._progress_of = diffusion_stats, diffusion_progress_event
+            self.prefix_journal.clear(0, d.fingerprint)
+            return DiffusionEngine(self._execute, d.max_context, self.max_num_seqs, self.max_num_batched_tokens)
+        self._stats_of, self._progress_of = engine_stats, progress_event
         tier = self._tier = open_tier(self.config, d, client, self._stores) if self.enable_prefix_caching else None
         engine = Engine(self._execute, d.num_blocks, d.block_size, d.max_context,
                       max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
@@ -407,14 +416,14 @@ class SchedulerCore:
         return events
 
     def _update_snapshot(self) -> None:
-        self._snapshot = engine_stats(self.engine)
+        self._snapshot = self._stats_of(self.engine)
 
     # ------------------------------------------------------------------ events
     def _event_for(self, seq: Sequence):
         h = self._by_seq.get(seq.seq_id)
         if h is None:
             return None
-        ev = progress_event(seq, h)
+        ev = self._progress_of(seq, h)
         if h.done:
             self._by_seq.pop(seq.seq_id, None)
         return None if ev is None else (h, ev)

@@ -19,6 +19,7 @@ from shared.grpc_health import AsyncHealthReporter
 
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 from scheduler.core import SchedulerCore, SubmitRefused, _Handle
+from scheduler.diffusion.serving import SubmitRefusedError, diffusion_request
 from scheduler.sequence import Sequence
 from shared.step_codec import sampling_params_from_proto
 
@@ -76,6 +77,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise SubmitRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt has {len(prompt)} tokens but the context holds {limit}"
                                 + ("" if score_only else " (and at least one must be generated)"))
+        if d.diffusion:
+            try:
+                return diffusion_request(request, params, d, next(_seq_ids))
+            except SubmitRefusedError as exc:
+                raise SubmitRefused(exc.code, exc.message) from None
+        if request.HasField("diffusion"):
+            raise SubmitRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"diffusion options were sent, but {d.model_name!r} is an autoregressive model: "
+                                "leave them out")
         seq = Sequence(prompt, params, seq_id=next(_seq_ids), eos_ids=eos_ids)
         if request.HasField("speculative"):
             seq.speculative = request.speculative

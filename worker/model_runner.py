@@ -20,7 +20,7 @@ from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 from worker.config import DEFAULT_KV_MEMORY
 from worker.diffusion.canvas_step import CanvasStep
 from worker.draft_model import DraftModel, check_vocabulary
-from worker.kv_pool import DEFAULT_CODEC, KVPool, bytes_per_block, plan_capacity
+from worker.kv_pool import DEFAULT_CODEC, KVCapacity, KVPool, plan_capacity
 from worker.models import ForwardInput, model_class
 from worker.sampling import Sampler, make_generator
 from worker.verification import verify_drafts
@@ -65,8 +65,11 @@ class ModelRunner:
         self.ops.warm_up()
         self.model = cls(self.config, WeightLoader(self.gguf, self.ops), self.ops)
         if not self.config.causal:     # diffusion canvases keep no K/V: one block keeps the pool's shape
-            kv_memory, max_context = bytes_per_block(self.config, block_size, kv_cache_dtype), None
-        self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context, kv_cache_dtype)
+            # a canvas is bounded by the model's context (or --max-context), not by the K/V memory
+            self.capacity = KVCapacity(1, block_size, min(self.config.context_length,
+                                                          max_context or self.config.context_length))
+        else:
+            self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context, kv_cache_dtype)
         self.kv = KVPool(self.config, self.capacity, self.ops, kv_cache_dtype)
         self.model.bind_kv(self.kv.caches)
         self.drafter: DraftModel | None = None

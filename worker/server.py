@@ -168,7 +168,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if c.start_pos < 0 or end > cap.max_context:
                 raise BadStep(f"{where}: positions {c.start_pos}..{end - 1} are outside this worker's "
                               f"context of {cap.max_context} tokens")
-            needed = -(-end // cap.block_size)
+            needed = -(-end // cap.block_size) if self.runner.config.causal else 0   # canvases keep no K/V
+            if c.diffusion is not None:
+                d = c.diffusion
+                if self.runner.config.causal:
+                    raise BadStep(f"{where}: a diffusion step for an autoregressive model")
+                if not c.prompt_len <= d.block_start <= d.block_end <= tokens.size:
+                    raise BadStep(f"{where}: diffusion block [{d.block_start}, {d.block_end}) must lie in the "
+                                  f"canvas after the prompt [{c.prompt_len}, {tokens.size})")
+                try:
+                    d.params.validate()
+                except ValueError as exc:
+                    raise BadStep(f"{where}: {exc}") from None
             if table.size < needed:
                 raise BadStep(f"{where}: block table has {table.size} blocks, {needed} needed for "
                               f"{end} tokens (block size {cap.block_size})")

@@ -113,6 +113,20 @@ class DiffusionParams(_message.Message):
     gamma: float
     def __init__(self, gen_length: _Optional[int] = ..., steps: _Optional[int] = ..., block_length: _Optional[int] = ..., algorithm: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., threshold: _Optional[float] = ..., gamma: _Optional[float] = ...) -> None: ...
 
+class DiffusionOptions(_message.Message):
+    __slots__ = ("steps", "block_length", "algorithm", "threshold", "gamma")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    block_length: int
+    algorithm: str
+    threshold: float
+    gamma: float
+    def __init__(self, steps: _Optional[int] = ..., block_length: _Optional[int] = ..., algorithm: _Optional[str] = ..., threshold: _Optional[float] = ..., gamma: _Optional[float] = ...) -> None: ...
+
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]

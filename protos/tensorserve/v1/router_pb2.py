@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos.tensorserve.v1 import common_pb2 as tensorserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorserve/v1/router.proto\x12\x0etensorserve.v1\x1a\x1btensorserve/v1/common.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.tensorserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf9\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.tensorserve.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.tensorserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.tensorserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x0c\n\x04\x65\x63ho\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\x08\n\x06prompt\"\x8f\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\x12\'\n\x03top\x18\x05 \x03(\x0b\x32\x1a.tensorserve.v1.TopLogprobB\n\n\x08_logprob\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"]\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.tensorserve.v1.TokenLogprob\"]\n\nPromptEcho\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.tensorserve.v1.TokenLogprob\"0\n\rCanvasReplace\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xa5\x01\n\x0eGenerateFinish\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.tensorserve.v1.FinishReason\x12$\n\x05usage\x18\x02 \x01(\x0b\x32\x15.tensorserve.v1.Usage\x12\x0c\n\x04stop\x18\x03 \x01(\t\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1b.tensorserve.v1.ErrorDetail\"\xfd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12+\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x1a.tensorserve.v1.TokenDeltaH\x00\x12,\n\x06prompt\x18\x04 \x01(\x0b\x32\x1a.tensorserve.v1.PromptEchoH\x00\x12\x30\n\x07replace\x18\x05 \x01(\x0b\x32\x1d.tensorserve.v1.CanvasReplaceH\x00\x12\x30\n\x06\x66inish\x18\x06 \x01(\x0b\x32\x1e.tensorserve.v1.GenerateFinishH\x00\x42\x07\n\x05\x65vent\"\x83\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1c.tensorserve.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\":\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"\xb7\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\'\n\x04kind\x18\x06 \x01(\x0e\x32\x19.tensorserve.v1.ModelKind\x12\x0f\n\x07\x63reated\x18\x07 \x01(\x03\x12\x10\n\x08owned_by\x18\x08 \x01(\t\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.tensorserve.v1.ModelInfo*`\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19MODEL_KIND_AUTOREGRESSIVE\x10\x01\x12\x18\n\x14MODEL_KIND_DIFFUSION\x10\x02\x32\xd6\x02\n\nGeneration\x12O\n\x08Generate\x12\x1f.tensorserve.v1.GenerateRequest\x1a .tensorserve.v1.GenerateResponse0\x01\x12M\n\x08Tokenize\x12\x1f.tensorserve.v1.TokenizeRequest\x1a .tensorserve.v1.TokenizeResponse\x12S\n\nDetokenize\x12!.tensorserve.v1.DetokenizeRequest\x1a\".tensorserve.v1.DetokenizeResponse\x12S\n\nListModels\x12!.tensorserve.v1.ListModelsRequest\x1a\".tensorserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorserve/v1/router.proto\x12\x0etensorserve.v1\x1a\x1btensorserve/v1/common.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.tensorserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xae\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.tensorserve.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.tensorserve.v1.ChatMessagesH\x00\x12\x30\n\x08sampling\x18\x05 \x01(\x0b\x32\x1e.tensorserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x0c\n\x04\x65\x63ho\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x33\n\tdiffusion\x18\t \x01(\x0b\x32 .tensorserve.v1.DiffusionOptionsB\x08\n\x06prompt\"\x8f\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\x12\'\n\x03top\x18\x05 \x03(\x0b\x32\x1a.tensorserve.v1.TopLogprobB\n\n\x08_logprob\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"]\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.tensorserve.v1.TokenLogprob\"]\n\nPromptEcho\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.tensorserve.v1.TokenLogprob\"0\n\rCanvasReplace\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xa5\x01\n\x0eGenerateFinish\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.tensorserve.v1.FinishReason\x12$\n\x05usage\x18\x02 \x01(\x0b\x32\x15.tensorserve.v1.Usage\x12\x0c\n\x04stop\x18\x03 \x01(\t\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1b.tensorserve.v1.ErrorDetail\"\xfd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12+\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x1a.tensorserve.v1.TokenDeltaH\x00\x12,\n\x06prompt\x18\x04 \x01(\x0b\x32\x1a.tensorserve.v1.PromptEchoH\x00\x12\x30\n\x07replace\x18\x05 \x01(\x0b\x32\x1d.tensorserve.v1.CanvasReplaceH\x00\x12\x30\n\x06\x66inish\x18\x06 \x01(\x0b\x32\x1e.tensorserve.v1.GenerateFinishH\x00\x42\x07\n\x05\x65vent\"\x83\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1c.tensorserve.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\":\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"\xb7\x01\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\'\n\x04kind\x18\x06 \x01(\x0e\x32\x19.tensorserve.v1.ModelKind\x12\x0f\n\x07\x63reated\x18\x07 \x01(\x03\x12\x10\n\x08owned_by\x18\x08 \x01(\t\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.tensorserve.v1.ModelInfo*`\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19MODEL_KIND_AUTOREGRESSIVE\x10\x01\x12\x18\n\x14MODEL_KIND_DIFFUSION\x10\x02\x32\xd6\x02\n\nGeneration\x12O\n\x08Generate\x12\x1f.tensorserve.v1.GenerateRequest\x1a .tensorserve.v1.GenerateResponse0\x01\x12M\n\x08Tokenize\x12\x1f.tensorserve.v1.TokenizeRequest\x1a .tensorserve.v1.TokenizeResponse\x12S\n\nDetokenize\x12!.tensorserve.v1.DetokenizeRequest\x1a\".tensorserve.v1.DetokenizeResponse\x12S\n\nListModels\x12!.tensorserve.v1.ListModelsRequest\x1a\".tensorserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tensorserve.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODELKIND']._serialized_start=1957
-  _globals['_MODELKIND']._serialized_end=2053
+  _globals['_MODELKIND']._serialized_start=2010
+  _globals['_MODELKIND']._serialized_end=2106
   _globals['_CHATMESSAGE']._serialized_start=76
   _globals['_CHATMESSAGE']._serialized_end=134
   _globals['_CHATMESSAGES']._serialized_start=136
@@ -41,35 +41,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=199
   _globals['_TOKENIDS']._serialized_end=222
   _globals['_GENERATEREQUEST']._serialized_start=225
-  _globals['_GENERATEREQUEST']._serialized_end=474
-  _globals['_TOKENLOGPROB']._serialized_start=477
-  _globals['_TOKENLOGPROB']._serialized_end=620
-  _globals['_TOPLOGPROB']._serialized_start=622
-  _globals['_TOPLOGPROB']._serialized_end=705
-  _globals['_TOKENDELTA']._serialized_start=707
-  _globals['_TOKENDELTA']._serialized_end=800
-  _globals['_PROMPTECHO']._serialized_start=802
-  _globals['_PROMPTECHO']._serialized_end=895
-  _globals['_CANVASREPLACE']._serialized_start=897
-  _globals['_CANVASREPLACE']._serialized_end=945
-  _globals['_GENERATEFINISH']._serialized_start=948
-  _globals['_GENERATEFINISH']._serialized_end=1113
-  _globals['_GENERATERESPONSE']._serialized_start=1116
-  _globals['_GENERATERESPONSE']._serialized_end=1369
-  _globals['_TOKENIZEREQUEST']._serialized_start=1372
-  _globals['_TOKENIZEREQUEST']._serialized_end=1503
-  _globals['_TOKENIZERESPONSE']._serialized_start=1505
-  _globals['_TOKENIZERESPONSE']._serialized_end=1563
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1565
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1647
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1649
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1683
-  _globals['_LISTMODELSREQUEST']._serialized_start=1685
-  _globals['_LISTMODELSREQUEST']._serialized_end=1704
-  _globals['_MODELINFO']._serialized_start=1707
-  _globals['_MODELINFO']._serialized_end=1890
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1892
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1955
-  _globals['_GENERATION']._serialized_start=2056
-  _globals['_GENERATION']._serialized_end=2398
+  _globals['_GENERATEREQUEST']._serialized_end=527
+  _globals['_TOKENLOGPROB']._serialized_start=530
+  _globals['_TOKENLOGPROB']._serialized_end=673
+  _globals['_TOPLOGPROB']._serialized_start=675
+  _globals['_TOPLOGPROB']._serialized_end=758
+  _globals['_TOKENDELTA']._serialized_start=760
+  _globals['_TOKENDELTA']._serialized_end=853
+  _globals['_PROMPTECHO']._serialized_start=855
+  _globals['_PROMPTECHO']._serialized_end=948
+  _globals['_CANVASREPLACE']._serialized_start=950
+  _globals['_CANVASREPLACE']._serialized_end=998
+  _globals['_GENERATEFINISH']._serialized_start=1001
+  _globals['_GENERATEFINISH']._serialized_end=1166
+  _globals['_GENERATERESPONSE']._serialized_start=1169
+  _globals['_GENERATERESPONSE']._serialized_end=1422
+  _globals['_TOKENIZEREQUEST']._serialized_start=1425
+  _globals['_TOKENIZEREQUEST']._serialized_end=1556
+  _globals['_TOKENIZERESPONSE']._serialized_start=1558
+  _globals['_TOKENIZERESPONSE']._serialized_end=1616
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1618
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1700
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1702
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1736
+  _globals['_LISTMODELSREQUEST']._serialized_start=1738
+  _globals['_LISTMODELSREQUEST']._serialized_end=1757
+  _globals['_MODELINFO']._serialized_start=1760
+  _globals['_MODELINFO']._serialized_end=1943
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1945
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2008
+  _globals['_GENERATION']._serialized_start=2109
+  _globals['_GENERATION']._serialized_end=2451
 # @@protoc_insertion_point(module_scope)

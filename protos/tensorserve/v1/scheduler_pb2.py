@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.tensorserve.v1 import common_pb2 as tensorserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etensorserve/v1/scheduler.proto\x12\x0etensorserve.v1\x1a\x1btensorserve/v1/common.proto\".\n\x17WatchPrefixCacheRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\x8f\x01\n\x11PrefixCacheUpdate\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12\x11\n\tin_flight\x18\x07 \x01(\r\"\xf1\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tensorserve.v1.SamplingParams\x12\x1c\n\x0fprompt_logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x18\n\x0bspeculative\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\x12\n\x10_prompt_logprobsB\x0e\n\x0c_speculative\"V\n\nTokenEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xf5\x01\n\x0bSubmitEvent\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.tensorserve.v1.TokenEvent\x12\x33\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1a.tensorserve.v1.TokenEvent\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.tensorserve.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.tensorserve.v1.Usage\x12*\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1b.tensorserve.v1.ErrorDetail\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc4\x04\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x11\n\tpreempted\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x18\n\x10kv_used_fraction\x18\x06 \x01(\x01\x12\x17\n\x0ftokens_computed\x18\x07 \x01(\x04\x12\r\n\x05steps\x18\x08 \x01(\x04\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x13\n\x0bmax_context\x18\n \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x0b \x01(\r\x12#\n\x1bprefix_cache_queried_tokens\x18\x0c \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12-\n\x06status\x18\x0f \x01(\x0e\x32\x1d.tensorserve.v1.ServingStatus\x12\x16\n\x0estatus_message\x18\x10 \x01(\t\x12\x33\n\ncomponents\x18\x11 \x03(\x0b\x32\x1f.tensorserve.v1.ComponentHealth\x12:\n\x0b\x63heckpoints\x18\x12 \x01(\x0b\x32%.tensorserve.v1.PrefixCheckpointStats\x12\x35\n\x0bspeculative\x18\x13 \x01(\x0b\x32 .tensorserve.v1.SpeculativeStats\"\xa5\x01\n\x10SpeculativeStats\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x04\x12\x10\n\x08governed\x18\x05 \x01(\x08\x12\x30\n\x08governor\x18\x06 \x03(\x0b\x32\x1e.tensorserve.v1.GovernorBucket\"\xa8\x01\n\x0eGovernorBucket\x12\x13\n\x0b\x62\x61tch_sizes\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x10\n\x08\x64rafting\x18\x03 \x01(\x08\x12\x1f\n\x17\x64raft_seconds_per_token\x18\x04 \x01(\x01\x12\x1f\n\x17plain_seconds_per_token\x18\x05 \x01(\x01\x12\x0e\n\x06pauses\x18\x06 \x01(\x04\x12\x0e\n\x06probes\x18\x07 \x01(\x04\"\xb7\x02\n\x15PrefixCheckpointStats\x12\x17\n\x0frestored_tokens\x18\x01 \x01(\x04\x12\x14\n\x0csaved_blocks\x18\x02 \x01(\x04\x12\x15\n\rsaves_dropped\x18\x03 \x01(\x04\x12\x45\n\x08rejected\x18\x04 \x03(\x0b\x32\x33.tensorserve.v1.PrefixCheckpointStats.RejectedEntry\x12/\n\x06stores\x18\x05 \x03(\x0b\x32\x1f.tensorserve.v1.BlockStoreStats\x12\x16\n\x0erestored_bytes\x18\x06 \x01(\x04\x12\x17\n\x0frestore_seconds\x18\x07 \x01(\x01\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x97\x01\n\x0f\x42lockStoreStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x14\n\x0cput_failures\x18\x05 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x11\n\tavailable\x18\x08 \x01(\x08\"M\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\";\n\x16RegisterWorkerResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xa2\x03\n\tScheduler\x12\x46\n\x06Submit\x12\x1d.tensorserve.v1.SubmitRequest\x1a\x1b.tensorserve.v1.SubmitEvent0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.tensorserve.v1.AbortRequest\x1a\x1d.tensorserve.v1.AbortResponse\x12\x44\n\x05Stats\x12\x1c.tensorserve.v1.StatsRequest\x1a\x1d.tensorserve.v1.StatsResponse\x12_\n\x0eRegisterWorker\x12%.tensorserve.v1.RegisterWorkerRequest\x1a&.tensorserve.v1.RegisterWorkerResponse\x12`\n\x10WatchPrefixCache\x12\'.tensorserve.v1.WatchPrefixCacheRequest\x1a!.tensorserve.v1.PrefixCacheUpdate0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etensorserve/v1/scheduler.proto\x12\x0etensorserve.v1\x1a\x1btensorserve/v1/common.proto\".\n\x17WatchPrefixCacheRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\x8f\x01\n\x11PrefixCacheUpdate\x12\r\n\x05reset\x18\x01 \x01(\x08\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x0f\n\x07serving\x18\x06 \x01(\x08\x12\x11\n\tin_flight\x18\x07 \x01(\r\"\xa6\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.tensorserve.v1.SamplingParams\x12\x1c\n\x0fprompt_logprobs\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x18\n\x0bspeculative\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x33\n\tdiffusion\x18\x08 \x01(\x0b\x32 .tensorserve.v1.DiffusionOptionsB\x12\n\x10_prompt_logprobsB\x0e\n\x0c_speculative\"V\n\nTokenEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xa6\x02\n\x0bSubmitEvent\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.tensorserve.v1.TokenEvent\x12\x33\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x1a.tensorserve.v1.TokenEvent\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.tensorserve.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.tensorserve.v1.Usage\x12*\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1b.tensorserve.v1.ErrorDetail\x12/\n\x06\x63\x61nvas\x18\x06 \x01(\x0b\x32\x1f.tensorserve.v1.DiffusionCanvas\"I\n\x0f\x44iffusionCanvas\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x15\n\rmask_token_id\x18\x03 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc4\x04\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x11\n\tpreempted\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x18\n\x10kv_used_fraction\x18\x06 \x01(\x01\x12\x17\n\x0ftokens_computed\x18\x07 \x01(\x04\x12\r\n\x05steps\x18\x08 \x01(\x04\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x13\n\x0bmax_context\x18\n \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x0b \x01(\r\x12#\n\x1bprefix_cache_queried_tokens\x18\x0c \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\r \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12-\n\x06status\x18\x0f \x01(\x0e\x32\x1d.tensorserve.v1.ServingStatus\x12\x16\n\x0estatus_message\x18\x10 \x01(\t\x12\x33\n\ncomponents\x18\x11 \x03(\x0b\x32\x1f.tensorserve.v1.ComponentHealth\x12:\n\x0b\x63heckpoints\x18\x12 \x01(\x0b\x32%.tensorserve.v1.PrefixCheckpointStats\x12\x35\n\x0bspeculative\x18\x13 \x01(\x0b\x32 .tensorserve.v1.SpeculativeStats\"\xa5\x01\n\x10SpeculativeStats\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06\x64rafts\x18\x02 \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x04\x12\x10\n\x08governed\x18\x05 \x01(\x08\x12\x30\n\x08governor\x18\x06 \x03(\x0b\x32\x1e.tensorserve.v1.GovernorBucket\"\xa8\x01\n\x0eGovernorBucket\x12\x13\n\x0b\x62\x61tch_sizes\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x10\n\x08\x64rafting\x18\x03 \x01(\x08\x12\x1f\n\x17\x64raft_seconds_per_token\x18\x04 \x01(\x01\x12\x1f\n\x17plain_seconds_per_token\x18\x05 \x01(\x01\x12\x0e\n\x06pauses\x18\x06 \x01(\x04\x12\x0e\n\x06probes\x18\x07 \x01(\x04\"\xb7\x02\n\x15PrefixCheckpointStats\x12\x17\n\x0frestored_tokens\x18\x01 \x01(\x04\x12\x14\n\x0csaved_blocks\x18\x02 \x01(\x04\x12\x15\n\rsaves_dropped\x18\x03 \x01(\x04\x12\x45\n\x08rejected\x18\x04 \x03(\x0b\x32\x33.tensorserve.v1.PrefixCheckpointStats.RejectedEntry\x12/\n\x06stores\x18\x05 \x03(\x0b\x32\x1f.tensorserve.v1.BlockStoreStats\x12\x16\n\x0erestored_bytes\x18\x06 \x01(\x04\x12\x17\n\x0frestore_seconds\x18\x07 \x01(\x01\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x97\x01\n\x0f\x42lockStoreStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04hits\x18\x02 \x01(\x04\x12\x0e\n\x06misses\x18\x03 \x01(\x04\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x14\n\x0cput_failures\x18\x05 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x11\n\tavailable\x18\x08 \x01(\x08\"M\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\";\n\x16RegisterWorkerResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xa2\x03\n\tScheduler\x12\x46\n\x06Submit\x12\x1d.tensorserve.v1.SubmitRequest\x1a\x1b.tensorserve.v1.SubmitEvent0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.tensorserve.v1.AbortRequest\x1a\x1d.tensorserve.v1.AbortResponse\x12\x44\n\x05Stats\x12\x1c.tensorserve.v1.StatsRequest\x1a\x1d.tensorserve.v1.StatsResponse\x12_\n\x0eRegisterWorker\x12%.tensorserve.v1.RegisterWorkerRequest\x1a&.tensorserve.v1.RegisterWorkerResponse\x12`\n\x10WatchPrefixCache\x12\'.tensorserve.v1.WatchPrefixCacheRequest\x1a!.tensorserve.v1.PrefixCacheUpdate0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,33 +39,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFIXCACHEUPDATE']._serialized_start=128
   _globals['_PREFIXCACHEUPDATE']._serialized_end=271
   _globals['_SUBMITREQUEST']._serialized_start=274
-  _globals['_SUBMITREQUEST']._serialized_end=515
-  _globals['_TOKENEVENT']._serialized_start=517
-  _globals['_TOKENEVENT']._serialized_end=603
-  _globals['_SUBMITEVENT']._serialized_start=606
-  _globals['_SUBMITEVENT']._serialized_end=851
-  _globals['_ABORTREQUEST']._serialized_start=853
-  _globals['_ABORTREQUEST']._serialized_end=887
-  _globals['_ABORTRESPONSE']._serialized_start=889
-  _globals['_ABORTRESPONSE']._serialized_end=919
-  _globals['_STATSREQUEST']._serialized_start=921
-  _globals['_STATSREQUEST']._serialized_end=935
-  _globals['_STATSRESPONSE']._serialized_start=938
-  _globals['_STATSRESPONSE']._serialized_end=1518
-  _globals['_SPECULATIVESTATS']._serialized_start=1521
-  _globals['_SPECULATIVESTATS']._serialized_end=1686
-  _globals['_GOVERNORBUCKET']._serialized_start=1689
-  _globals['_GOVERNORBUCKET']._serialized_end=1857
-  _globals['_PREFIXCHECKPOINTSTATS']._serialized_start=1860
-  _globals['_PREFIXCHECKPOINTSTATS']._serialized_end=2171
-  _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._serialized_start=2124
-  _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._serialized_end=2171
-  _globals['_BLOCKSTORESTATS']._serialized_start=2174
-  _globals['_BLOCKSTORESTATS']._serialized_end=2325
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=2327
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=2404
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=2406
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=2465
-  _globals['_SCHEDULER']._serialized_start=2468
-  _globals['_SCHEDULER']._serialized_end=2886
+  _globals['_SUBMITREQUEST']._serialized_end=568
+  _globals['_TOKENEVENT']._serialized_start=570
+  _globals['_TOKENEVENT']._serialized_end=656
+  _globals['_SUBMITEVENT']._serialized_start=659
+  _globals['_SUBMITEVENT']._serialized_end=953
+  _globals['_DIFFUSIONCANVAS']._serialized_start=955
+  _globals['_DIFFUSIONCANVAS']._serialized_end=1028
+  _globals['_ABORTREQUEST']._serialized_start=1030
+  _globals['_ABORTREQUEST']._serialized_end=1064
+  _globals['_ABORTRESPONSE']._serialized_start=1066
+  _globals['_ABORTRESPONSE']._serialized_end=1096
+  _globals['_STATSREQUEST']._serialized_start=1098
+  _globals['_STATSREQUEST']._serialized_end=1112
+  _globals['_STATSRESPONSE']._serialized_start=1115
+  _globals['_STATSRESPONSE']._serialized_end=1695
+  _globals['_SPECULATIVESTATS']._serialized_start=1698
+  _globals['_SPECULATIVESTATS']._serialized_end=1863
+  _globals['_GOVERNORBUCKET']._serialized_start=1866
+  _globals['_GOVERNORBUCKET']._serialized_end=2034
+  _globals['_PREFIXCHECKPOINTSTATS']._serialized_start=2037
+  _globals['_PREFIXCHECKPOINTSTATS']._serialized_end=2348
+  _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._serialized_start=2301
+  _globals['_PREFIXCHECKPOINTSTATS_REJECTEDENTRY']._serialized_end=2348
+  _globals['_BLOCKSTORESTATS']._serialized_start=2351
+  _globals['_BLOCKSTORESTATS']._serialized_end=2502
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=2504
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=2581
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=2583
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=2642
+  _globals['_SCHEDULER']._serialized_start=2645
+  _globals['_SCHEDULER']._serialized_end=3063
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class PrefixCacheUpdate(_message.Message):
     def __init__(self, reset: _Optional[bool] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ..., fingerprint: _Optional[str] = ..., serving: _Optional[bool] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prompt_logprobs", "model", "eos_token_ids", "speculative")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prompt_logprobs", "model", "eos_token_ids", "speculative", "diffusion")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class SubmitRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    DIFFUSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -47,7 +48,8 @@ class SubmitRequest(_message.Message):
     model: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculative: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., model: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[bool] = ...) -> None: ...
+    diffusion: _common_pb2.DiffusionOptions
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., model: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculative: _Optional[bool] = ..., diffusion: _Optional[_Union[_common_pb2.DiffusionOptions, _Mapping]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
@@ -62,18 +64,30 @@ class TokenEvent(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SubmitEvent(_message.Message):
-    __slots__ = ("tokens", "prompt_logprobs", "finish_reason", "usage", "error")
+    __slots__ = ("tokens", "prompt_logprobs", "finish_reason", "usage", "error", "canvas")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[TokenEvent]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenEvent]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     error: _common_pb2.ErrorDetail
-    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ...) -> None: ...
+    canvas: DiffusionCanvas
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorDetail, _Mapping]] = ..., canvas: _Optional[_Union[DiffusionCanvas, _Mapping]] = ...) -> None: ...
+
+class DiffusionCanvas(_message.Message):
+    __slots__ = ("token_ids", "step", "mask_token_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    step: int
+    mask_token_id: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., mask_token_id: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
