@@ -24,6 +24,7 @@ import grpc
 from protos.tensorserve.v1 import common_pb2, router_pb2, scheduler_pb2
 from router.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateMissing
 from router.detokenizer import IncrementalDetokenizer
+from router.diffusion_requests import canvas_text
 from router.requests import (  # noqa: F401  (re-exported for the front ends)
     CanvasEvent, DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent, StopStringMatcher, TokenLogprob, error_from_rpc)
 from router.replicas import Replica, ReplicaSet
@@ -227,31 +228,6 @@ class Frontend:
         left = max(1, self.max_context - len(prompt_ids))
         return min(left, DIFFUSION_DEFAULT_MAX_TOKENS) if self.is_diffusion else left
 
-    def check_diffusion(self, options: common_pb2.DiffusionOptions | None, params: SamplingParams) -> None:
-        """Diffusion options only for a diffusion model, which has no logprobs."""
-        if options is not None and not self.is_diffusion:
-            raise FrontendError(f"diffusion options were given, but '{self.served_model_name}' is an "
-                                "autoregressive model: leave 'diffusion' out", 400, code="invalid_value",
-                                param="diffusion")
-        if self.is_diffusion and params.logprobs is not None:
-            raise FrontendError(f"'{self.served_model_name}' is a text-diffusion model, which returns no "
-                                "logprobs: leave logprobs unset", 400, code="unsupported_value", param="logprobs")
-
-    def canvas_text(self, ids) -> str:
-        """The canvas with every masked position shown as the mask token's text."""
-        mask, parts, run = self.mask_token_id, [], []
-        for t in ids:
-            if t == mask:
-                if run:
-                    parts.append(self.tokenizer.decode(run))
-                    run = []
-                parts.append(self.token_str(mask))
-            else:
-                run.append(t)
-        if run:
-            parts.append(self.tokenizer.decode(run))
-        return "".join(parts)
-
     @staticmethod
     def new_request_id(prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
@@ -332,7 +308,7 @@ class Frontend:
                             yield PromptEvent(list(p.prompt_ids), text, lps)
                     if ev.HasField("canvas"):
                         ids = list(ev.canvas.token_ids)
-                        yield CanvasEvent(ids, self.canvas_text(ids), int(ev.canvas.step))
+                        yield CanvasEvent(ids, canvas_text(self, ids), int(ev.canvas.step))
                     if ev.tokens:
                         now = time.perf_counter()
                         if metrics is not None:

@@ -22,6 +22,7 @@ from router import request_limits as limits
 from router.frontend import CanvasEvent, DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent
 from router.http_events import ClientDisconnected, chain, events, prime
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from router.diffusion_requests import check_diffusion
 from router.model_table import ModelTable
 from router.status import health_report, scrape_stats
 from protos.tensorserve.v1.router_pb2 import MODEL_KIND_DIFFUSION as DIFFUSION
@@ -117,7 +118,7 @@ def create_app(models: ModelTable, metrics: RouterMetrics, api_key: str | None =
                                       **oa.common_sampling(body))
         await frontend.check_prompt_length(ids, None if score_only else params.max_tokens)
         diffusion = oa.diffusion_options(body)
-        frontend.check_diffusion(diffusion, params)
+        check_diffusion(frontend, diffusion, params)
         p = Prepared(frontend.new_request_id("cmpl"), ids, text, params, oa.get_stop(body), echo=echo,
                      prompt_logprobs=logprobs if echo else None, endpoint="completions",
                      speculative=oa.speculative(body), frontend=frontend, diffusion=diffusion)
@@ -253,7 +254,7 @@ def create_app(models: ModelTable, metrics: RouterMetrics, api_key: str | None =
         if asked:
             await frontend.check_prompt_length(ids, params.max_tokens)
         diffusion = oa.diffusion_options(body)
-        frontend.check_diffusion(diffusion, params)
+        check_diffusion(frontend, diffusion, params)
         p = Prepared(frontend.new_request_id("chatcmpl"), ids, text, params, oa.get_stop(body), endpoint="chat",
                      speculative=oa.speculative(body), frontend=frontend, diffusion=diffusion)
         return p, stream, include_usage

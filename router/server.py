@@ -8,6 +8,7 @@ import grpc
 
 from protos.tensorserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.frontend import CanvasEvent, DeltaEvent, FinishEvent, FrontendError, Prepared, PromptEvent, TokenLogprob
+from router.diffusion_requests import check_diffusion
 from router.model_table import ModelTable
 from router import request_limits as limits
 from router.metrics import RouterMetrics
@@ -59,7 +60,7 @@ class GenerationServicer(router_pb2_grpc.GenerationServicer):
         asked = request.sampling.HasField("max_tokens")
         await fe.check_prompt_length(ids, params.max_tokens if asked else None)
         diffusion = request.diffusion if request.HasField("diffusion") else None
-        fe.check_diffusion(diffusion, params)
+        check_diffusion(fe, diffusion, params)
         return Prepared(request.request_id or fe.new_request_id("gen"), ids, text, params,
                         limits.check_stop([s for s in request.stop if s]), echo=request.echo,
                         prompt_logprobs=params.logprobs if request.echo else None, endpoint="grpc.Generate",

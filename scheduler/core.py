@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -37,6 +36,7 @@ from scheduler.checkpoint_tier import CheckpointTier, checkpoint_stats, open_tie
 from scheduler.config import SchedulerConfig
 from scheduler.diffusion.serving import DiffusionEngine, diffusion_progress_event, diffusion_stats
 from scheduler.engine import Engine
+from scheduler.handles import Handle, SubmitRefused, deliver, serving_status
 from scheduler.events import final_event, progress_event
 from scheduler.prefix_journal import PrefixJournal
 from scheduler.stats import engine_stats
@@ -46,30 +46,6 @@ from scheduler.worker_client import WorkerClient, WorkerFailure
 from shared.step import StepRequest, StepResult
 
 log = logging.getLogger(__name__)
-
-
-class SubmitRefused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-@dataclass
-class _Handle:
-    """One Submit stream as the engine loop sees it."""
-    request_id: str
-    seq: Sequence
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    prompt_logprobs: int | None = None
-    emitted: int = 0
-    prompt_sent: bool = False
-    done: bool = False
-    submitted_at: float = field(default_factory=time.monotonic)
-
-
-def _status(ok: bool) -> int:
-    return common_pb2.SERVING_STATUS_SERVING if ok else common_pb2.SERVING_STATUS_NOT_SERVING
 
 
 class SchedulerCore:
@@ -88,8 +64,8 @@ class SchedulerCore:
         self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
         self._cond = threading.Condition()
         self._inbox: deque[tuple] = deque()
-        self._handles: dict[str, _Handle] = {}          # in flight, by request id (under _cond)
-        self._by_seq: dict[int, _Handle] = {}           # engine-loop only
+        self._handles: dict[str, Handle] = {}          # in flight, by request id (under _cond)
+        self._by_seq: dict[int, Handle] = {}           # engine-loop only
         self.engine: Engine | None = None
         self._stores: dict[str, list] = {}              # the checkpoint stores, by model fingerprint
         self._tier: CheckpointTier | None = None        # the current engine's
@@ -136,7 +112,7 @@ class SchedulerCore:
             return len(self._handles)
 
     # ------------------------------------------------------------------ called by handlers
-    def submit(self, handle: _Handle) -> None:
+    def submit(self, handle: Handle) -> None:
         with self._cond:
             if self.draining:
                 raise SubmitRefused(grpc.StatusCode.UNAVAILABLE,
@@ -190,8 +166,8 @@ class SchedulerCore:
         worker_message = ("" if self.ready else (self.worker_message or self.health_message)) \
             or (f"{d.model_name} at {self.worker_address}" if d else "")
         return ok, message, [
-            common_pb2.ComponentHealth(name="scheduler", message=message, status=_status(ok)),
-            common_pb2.ComponentHealth(name="worker-0", message=worker_message, status=_status(self.ready))]
+            common_pb2.ComponentHealth(name="scheduler", message=message, status=serving_status(ok)),
+            common_pb2.ComponentHealth(name="worker-0", message=worker_message, status=serving_status(self.ready))]
 
     async def report_health(self, period_s: float = 0.5) -> None:
         """Keeps the standard health service's status in step with `health()` until draining."""
@@ -237,7 +213,7 @@ class SchedulerCore:
                 events = self._drain_inbox()
                 self._update_snapshot()
                 has_work = self.engine.has_work()
-            self._deliver(events)
+            deliver(events)
             if not has_work:
                 continue
             try:
@@ -259,7 +235,7 @@ class SchedulerCore:
                     if handle.done:
                         self._handles.pop(handle.request_id, None)
                 self._update_snapshot()
-            self._deliver(events)
+            deliver(events)
 
     def _execute(self, request: StepRequest) -> StepResult:
         return self._submit(request)()
@@ -383,7 +359,7 @@ class SchedulerCore:
         for h in handles:
             h.done = True
             events.append((h, final_event(h.seq, "error", code, message)))
-        self._deliver(events)
+        deliver(events)
 
     def _drain_inbox(self) -> list:
         """Apply queued adds and aborts (under _cond). Returns events to deliver."""
@@ -427,19 +403,3 @@ class SchedulerCore:
         if h.done:
             self._by_seq.pop(seq.seq_id, None)
         return None if ev is None else (h, ev)
-
-    @staticmethod
-    def _deliver(events: list) -> None:
-        by_loop: dict = {}
-        for h, ev in events:
-            by_loop.setdefault(h.loop, []).append((h.queue, ev))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:        # the loop is closed: the process is exiting
-                pass
-
-
-def _put_all(items) -> None:
-    for q, ev in items:
-        q.put_nowait(ev)

@@ -18,8 +18,9 @@ from shared.grpc_errors import AsyncDecodeErrorInterceptor
 from shared.grpc_health import AsyncHealthReporter
 
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-from scheduler.core import SchedulerCore, SubmitRefused, _Handle
-from scheduler.diffusion.serving import SubmitRefusedError, diffusion_request
+from scheduler.core import SchedulerCore
+from scheduler.diffusion.serving import diffusion_request
+from scheduler.handles import Handle, SubmitRefused
 from scheduler.sequence import Sequence
 from shared.step_codec import sampling_params_from_proto
 
@@ -78,10 +79,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                 f"prompt has {len(prompt)} tokens but the context holds {limit}"
                                 + ("" if score_only else " (and at least one must be generated)"))
         if d.diffusion:
-            try:
-                return diffusion_request(request, params, d, next(_seq_ids))
-            except SubmitRefusedError as exc:
-                raise SubmitRefused(exc.code, exc.message) from None
+            return diffusion_request(request, params, d, next(_seq_ids))
         if request.HasField("diffusion"):
             raise SubmitRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"diffusion options were sent, but {d.model_name!r} is an autoregressive model: "
@@ -99,7 +97,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         t0 = time.perf_counter()
         try:
             seq = self._validate(request)
-            handle = _Handle(request.request_id or uuid.uuid4().hex, seq, asyncio.Queue(),
+            handle = Handle(request.request_id or uuid.uuid4().hex, seq, asyncio.Queue(),
                              asyncio.get_running_loop(),
                              prompt_logprobs=int(request.prompt_logprobs)
                              if request.HasField("prompt_logprobs") else None)

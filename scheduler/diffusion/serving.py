@@ -18,6 +18,7 @@ from protos.tensorserve.v1 import scheduler_pb2
 from scheduler.diffusion.batcher import DiffusionBatcher
 from scheduler.diffusion.request import DiffusionRequest
 from scheduler.events import FINISH, usage
+from scheduler.handles import SubmitRefused
 from shared.diffusion_params import DiffusionParams
 from shared.sampling_params import SamplingParams
 
@@ -50,18 +51,12 @@ class ServedDiffusionRequest(DiffusionRequest):
                 return
 
 
-class SubmitRefusedError(ValueError):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 def diffusion_request(request: scheduler_pb2.SubmitRequest, params: SamplingParams, description,
                       seq_id: int) -> ServedDiffusionRequest:
-    """The served request of a validated prompt and sampling params; SubmitRefusedError
+    """The served request of a validated prompt and sampling params; SubmitRefused
     (INVALID_ARGUMENT) names what does not fit."""
-    def refuse(message: str) -> SubmitRefusedError:
-        return SubmitRefusedError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    def refuse(message: str) -> SubmitRefused:
+        return SubmitRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     prompt = [int(t) for t in request.prompt_token_ids]
     if request.HasField("prompt_logprobs") or params.logprobs is not None:
@@ -176,5 +171,5 @@ def diffusion_progress_event(request: ServedDiffusionRequest, handle) -> schedul
     return ev
 
 
-__all__ = ["DiffusionEngine", "ServedDiffusionRequest", "SubmitRefusedError", "diffusion_request",
+__all__ = ["DiffusionEngine", "ServedDiffusionRequest", "diffusion_request",
            "diffusion_stats", "diffusion_progress_event"]
