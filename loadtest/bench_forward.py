@@ -19,6 +19,8 @@ loadtest/peer_llamacpp.py on the same GGUF files in the same run and prints the 
 
     python loadtest/bench_forward.py [--models smollm2-135m gemma3-270m] [--json] [--decode-steps K]
                                      [--peer-python /path/to/peer-venv/bin/python]
+    python loadtest/bench_forward.py --depths 512 2048 4096 7936 16384 --kv-memory 2GiB
+                                     [--llama-bench PATH] [--rounds 3] [--json]    # loadtest/depth_sweep.py
 
 Single-sequence decode is measured twice, sequences alternated: one step a worker call
 (the JSON's decode_*), and --decode-steps K (8) tokens a call (multistep_decode_*): the
@@ -41,6 +43,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PROMPT_TOKENS = 512
 DECODE_TOKENS = 64
@@ -266,6 +269,13 @@ def main() -> int:
                          "must divide 16) [default 8]")
     ap.add_argument("--kv-cache-dtype", default="f16", choices=_kv_cache_dtypes(),
                     help="the KV pool's codec, the worker's --kv-cache-dtype [default f16]")
+    ap.add_argument("--depths", type=int, nargs="+",
+                    help="the depth sweep (loadtest/depth_sweep.py): prefill of an N-token prompt and decode at "
+                         "depth N for each N, beside llama-bench, instead of the figures above")
+    ap.add_argument("--kv-memory", default="2GiB", help="KV pool of the depth sweep's engine [default 2GiB]")
+    ap.add_argument("--rounds", type=int, default=3, help="depth sweep: rounds, ours and the peer's alternated")
+    ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"),
+                    help="llama.cpp's llama-bench for the depth sweep (loadtest/build_llama_bench.sh) [env LLAMA_BENCH]")
     ap.add_argument("--one", help=argparse.SUPPRESS)   # internal: bench one model in this process
     ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth-probe", action="store_true", help=argparse.SUPPRESS)
@@ -275,6 +285,18 @@ def main() -> int:
 
     if args.bandwidth_probe:
         serve_bandwidth_probes()
+        return 0
+
+    if args.depths:
+        from depth_sweep import print_table, sweep
+        from shared.option_kinds import parse_size
+        results = {"kv_cache_dtype": args.kv_cache_dtype, "kv_memory": args.kv_memory, "rounds": args.rounds,
+                   "models": sweep(args.models, args.depths, parse_size(args.kv_memory), args.kv_cache_dtype,
+                                   args.rounds, args.llama_bench)}
+        if args.json:
+            print(json.dumps(results))
+        else:
+            print_table(results["models"])
         return 0
 
     if args.one:
