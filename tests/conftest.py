@@ -37,3 +37,8 @@ def engines():
         cache[key].engine.blocks.reset_prefix_cache()
         return cache[key]
     return get
+
+
+def pytest_configure(config):
+    # tests/test_cuda_kernels.py: they need CuPy and a CUDA device (make gpu-check) and skip without
+    config.addinivalue_line("markers", "gpu: needs CuPy and a CUDA GPU (skipped where there is none)")
