@@ -92,13 +92,13 @@ def gpu_devices(resolved: Resolved) -> list[int] | None:
     if len(v["models"] or ()) > 1 or v["replicas"] > 1:
         raise ConfigError(f"{resolved.where('gpus')}: serves one model with one replica per GPU; give one --model "
                           "and leave --replicas at 1")
-    from worker.devices import cupy_error, detect_gpus
-    from worker.placement import BackendUnavailable
+    from worker.devices import detect_gpus
+    from worker.placement import BackendUnavailable, cuda_problem
     try:
         gpus = select_gpus(v["gpus"], detect_gpus())
     except BackendUnavailable as exc:
         raise ConfigError(f"{resolved.where('gpus')}: {exc}") from None
-    if (problem := cupy_error()) is not None:
+    if (problem := cuda_problem()) is not None:
         raise ConfigError(f"{resolved.where('gpus')}: found {'; '.join(g.describe() for g in gpus)} but {problem}")
     return [g.index for g in gpus]
 

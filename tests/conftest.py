@@ -24,9 +24,10 @@ def pytest_collection_modifyitems(config, items):
     marked = [item for item in items if "gpu" in item.keywords]
     if not marked:
         return
-    from worker.devices import cupy_error, detect_gpus
+    from worker.devices import detect_gpus
+    from worker.placement import cuda_problem
     detection = detect_gpus()
-    problem = (None if detection.gpus else detection.describe()) or cupy_error()
+    problem = (None if detection.gpus else detection.describe()) or cuda_problem()
     for item in marked if problem else ():
         item.add_marker(pytest.mark.skip(reason=f"needs an NVIDIA GPU and CuPy: {problem}"))
 

@@ -13,7 +13,7 @@ from shared.options import ConfigError, options_of, resolve, to_argv
 from tensorserve import serve
 from tensorserve.gpus import GpuList, select_gpus
 from worker import config as worker_config
-from worker import devices
+from worker import devices, placement
 from worker.config import WorkerConfig
 from worker.devices import GPU, Detection, detect_gpus, fake_detection
 from worker.gpu_memory import GPU_RESERVE_BYTES, GpuBudget, check_fit
@@ -30,6 +30,7 @@ def gpus(monkeypatch):
     def use(*described, cupy: str | None = None):
         monkeypatch.setenv("TS_FAKE_GPUS", json.dumps(list(described)))
         monkeypatch.setattr(devices, "cupy_error", lambda: cupy)
+        monkeypatch.setattr(placement, "cuda_kernels_problem", lambda: None)     # kernels/cuda/ is another branch's
     return use
 
 
@@ -117,6 +118,12 @@ def test_worker_refuses_cuda_at_start_naming_the_flag(gpus, tmp_path):
     resolved = resolve(options_of(WorkerConfig), {"backend": "cuda"}, environ={})
     with pytest.raises(ConfigError, match=r"^--backend cuda \(flag\): found no NVIDIA GPU .*tensorserve\[cuda\]"):
         worker_config.check(resolved)
+
+
+def test_auto_needs_the_cuda_kernels_too(gpus, monkeypatch):
+    gpus(H100)
+    monkeypatch.setattr(placement, "cuda_kernels_problem", lambda: "this build has no CUDA kernels")
+    assert choose_backend("auto").name == "cpu" and "no CUDA kernels" in choose_backend("auto").why
 
 
 def test_cupys_device_number_follows_cuda_visible_devices(monkeypatch):

@@ -5,6 +5,7 @@ same, but a missing GPU or CuPy is an error at start naming what was found and w
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -34,12 +35,12 @@ class BackendChoice:
 def choose_backend(requested: str, device: int = 0, detection: Detection | None = None,
                    cupy_problem: Callable[[], str | None] | None = None) -> BackendChoice:
     """The backend for `requested` (auto, cpu, cuda) on NVML's device `device` (`detection`: default
-    worker/devices.py's); CuPy is imported (`cupy_problem`: default devices.cupy_error) only where a
+    worker/devices.py's); CuPy is imported (`cupy_problem`: default `cuda_problem`) only where a
     GPU was found."""
     if requested == "cpu":
         return BackendChoice("cpu", None, "--backend cpu")
     detection = detection if detection is not None else devices.detect_gpus()
-    cupy_problem = cupy_problem or devices.cupy_error
+    cupy_problem = cupy_problem or cuda_problem
     gpu = detection.by_index(device)
     if gpu is None:
         if not detection.gpus:
@@ -53,6 +54,17 @@ def choose_backend(requested: str, device: int = 0, detection: Detection | None 
             return BackendChoice("cpu", None, f"--backend auto: found {gpu.describe()} but {problem}")
         raise BackendUnavailable(f"found {gpu.describe()} but {problem}")
     return BackendChoice("cuda", gpu, f"--backend {requested}: {gpu.describe()}, CuPy imports")
+
+
+def cuda_problem() -> str | None:
+    """Why a CUDA worker cannot start on this installation (CuPy, or the CUDA kernels, missing), or None."""
+    return devices.cupy_error() or cuda_kernels_problem()
+
+
+def cuda_kernels_problem() -> str | None:
+    if importlib.util.find_spec("kernels.cuda.backend") is None:
+        return "this build has no CUDA kernels (kernels/cuda/backend.py)"
+    return None
 
 
 def cuda_ordinal(nvml_index: int, visible: str | None = None) -> int:
