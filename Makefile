@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PYTHON ?= python3
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-all bench profile-decode serve clean protos loadtest
+.PHONY: install test test-all bench profile-decode serve clean protos loadtest gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,14 @@ LOCUST_ARGS ?=
 loadtest: install
 	$(PY) loadtest/run_locust.py --users $(USERS) --spawn-rate $(SPAWN_RATE) --duration $(DURATION) \
 	  --tags '$(TAGS)' --csv '$(CSV)' --serve-args '$(SERVE_ARGS)' -- $(LOCUST_ARGS)
+
+# Everything that needs an NVIDIA GPU, in one run under 10 minutes (loadtest/gpu_check.py): installs the cuda
+# extra (WHEELS=DIR: from a folder of wheels, without network), runs the tests marked gpu, the agreement bar on
+# the CUDA backend and the benchmarks; logs and summary.json in $(GPU_OUT) (default $OUT, else /tmp/tensorserve-gpu-check)
+GPU_OUT ?= $(or $(OUT),/tmp/tensorserve-gpu-check)
+WHEELS  ?=
+gpu-check: install
+	$(PY) loadtest/gpu_check.py --out '$(GPU_OUT)' $(if $(WHEELS),--wheels '$(WHEELS)')
 
 # where a single-sequence decode step's time goes, per thread and phase of the replayed region
 profile-decode: install

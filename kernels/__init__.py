@@ -148,8 +148,19 @@ class Backend(Protocol):
         """Best-first (ids, values) of each row of x, as numpy."""
 
 
-def get_backend(name: str = "cpu") -> Backend:
+def get_backend(name: str = "cpu", device: int = 0, capability: tuple[int, int] | None = None) -> Backend:
+    """The backend `name` (cpu, or cuda on CuPy's device `device` with the kernel variant of its compute
+    capability, asked of CuPy where not given). Choosing one for a host (--backend auto) is the
+    worker's: worker/placement.py; "auto" here is the CPU."""
     if name in ("cpu", "auto"):
         from kernels.cpu import CPUBackend
         return CPUBackend()
-    raise ValueError(f"unknown kernels backend {name!r} (available: cpu)")
+    if name == "cuda":
+        from kernels.cuda.backend import CUDABackend
+        from kernels.cuda.variants import for_capability
+        if capability is None:
+            import cupy
+            cc = str(cupy.cuda.Device(device).compute_capability)     # '90' for sm_90
+            capability = (int(cc[:-1]), int(cc[-1]))
+        return CUDABackend(device=device, variant=for_capability(*capability))
+    raise ValueError(f"unknown kernels backend {name!r} (available: cpu, cuda)")

@@ -63,9 +63,10 @@ class Port(Integer):
 class Number(Kind):
     metavar = "X"
 
-    def __init__(self, minimum: float | None = None, exclusive: bool = False):
-        self.minimum, self.exclusive = minimum, exclusive
-        self.accepted = "a number" + ("" if minimum is None else f" {'>' if exclusive else '>='} {minimum:g}")
+    def __init__(self, minimum: float | None = None, exclusive: bool = False, maximum: float | None = None):
+        self.minimum, self.exclusive, self.maximum = minimum, exclusive, maximum
+        self.accepted = "a number" + ("" if minimum is None else f" {'>' if exclusive else '>='} {minimum:g}") \
+            + ("" if maximum is None else f"{' and' if minimum is not None else ''} <= {maximum:g}")
 
     def parse(self, text: str) -> float:
         try:
@@ -75,6 +76,8 @@ class Number(Kind):
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError(f"{text!r} is not a finite number")
         if self.minimum is not None and (value < self.minimum or (self.exclusive and value == self.minimum)):
+            raise ValueError(f"{value:g} is out of range")
+        if self.maximum is not None and value > self.maximum:
             raise ValueError(f"{value:g} is out of range")
         return value
 

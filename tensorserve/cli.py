@@ -18,15 +18,22 @@ from worker.config import WorkerConfig
 # the in-process commands take the worker's and router's options they need, defined there
 MODEL_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level"))
 ENGINE_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level", "kv_memory", "kv_cache_dtype",
-                                                "threads"))
+                                                "threads", "backend", "gpu_memory_utilization"))
 DIFFUSE_OPTIONS = options_of(WorkerConfig, only=("model", "model_cache", "log_level", "threads")) \
     + options_of(RouterConfig, only=("chat_template",))
 GENERATE_OPTIONS = ENGINE_OPTIONS + options_of(RouterConfig, only=("chat_template",)) \
     + options_of(SchedulerConfig, only=SPECULATIVE_OPTIONS) + options_of(WorkerConfig, only=("draft_model",))
 
 
+def _placement(opts: dict) -> dict:
+    return {"backend": opts["backend"], "gpu_memory_utilization": opts["gpu_memory_utilization"]}
+
+
 def _check(resolved) -> None:
     gguf = check_model(resolved)
+    if "backend" in resolved.values:
+        from worker.config import choose_placement
+        choose_placement(resolved)
     if "speculative" in resolved.values:
         check_speculative(resolved)
     if "draft_model" in resolved.values:
@@ -76,7 +83,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise SystemExit(f"{args.tokens_json}: expected a JSON list of token ids")
     engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"], kv_cache_dtype=opts["kv_cache_dtype"],
-                         load_tokenizer=False)
+                         load_tokenizer=False, **_placement(opts))
     vocab = engine.config.vocab_size
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:
@@ -99,7 +106,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tensorserve.local import LocalEngine
 
     engine = LocalEngine(opts["model"], kv_memory=opts["kv_memory"], kv_cache_dtype=opts["kv_cache_dtype"],
-                         draft_model=opts["draft_model"], **{name: opts[name] for name in SPECULATIVE_OPTIONS})
+                         draft_model=opts["draft_model"], **{name: opts[name] for name in SPECULATIVE_OPTIONS},
+                         **_placement(opts))
     tokenizer = engine.tokenizer
     if args.chat:
         template = (ChatTemplate.from_file(opts["chat_template"], tokenizer) if opts["chat_template"]

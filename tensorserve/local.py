@@ -18,6 +18,7 @@ from shared.diffusion_params import DiffusionParams
 from shared.model_registry import resolve_model
 from shared.sampling_params import SamplingParams
 from worker.config import DEFAULT_KV_MEMORY
+from worker.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from worker.model_runner import ModelRunner
 
 
@@ -34,10 +35,13 @@ class LocalEngine:
                  enable_prefix_caching: bool = True, num_decode_steps: int = 1, kv_cache_dtype: str = "f16",
                  speculative: str = "off", num_speculative_tokens: int = 5, prompt_lookup_min: int = 1,
                  prompt_lookup_max: int = 4, speculative_governor: bool = True,
-                 draft_model: str | Path | None = None):
+                 draft_model: str | Path | None = None, backend: str = "cpu", device: int = 0,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
+        """`backend`: cpu, cuda or auto (worker/placement.py), on NVML's GPU `device`."""
         self.path = resolve_model(str(model))
         self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size,
-                                  kv_cache_dtype=kv_cache_dtype,
+                                  kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
+                                  gpu_memory_utilization=gpu_memory_utilization,
                                   draft_model=resolve_model(str(draft_model)) if draft_model else None)
         cap = self.runner.capacity
         self.diffusion: DiffusionBatcher | None = None

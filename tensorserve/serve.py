@@ -1,7 +1,8 @@
 """`tensorserve serve`: worker, scheduler and router as child processes on localhost.
 
 One scheduler+worker group per model (`--model`, repeatable) and replica (`--replicas N`), each
-worker with its own KV pool of --kv-memory; one router in front of them all, which picks a
+worker with its own KV pool of --kv-memory, or with `--gpus all|0,1` one group per GPU (the whole
+model on each; a layer split across GPUs is not implemented yet); one router in front of them all, which picks a
 model's replica by cached prefix (router/prefix_routing.py). With one group the children are
 named worker, scheduler and router; with several, worker/<model>/<replica> and so on.
 
@@ -35,8 +36,9 @@ from router.config import RouterConfig
 from scheduler.config import SchedulerConfig, check_speculative
 from shared.common_config import LoggingOptions, configure
 from shared.option_kinds import Integer, Number, Text
-from shared.options import Resolved, add_flags, environment_without, option, options_of
+from shared.options import ConfigError, Resolved, add_flags, environment_without, option, options_of
 from shared.served_models import ServedModel, served_models
+from tensorserve.gpus import GPUS_HELP, GpuList, select_gpus
 from tensorserve.supervisor import Child, free_port, write_status
 from worker import config as worker_config
 from worker.config import WorkerConfig
@@ -53,6 +55,7 @@ class ServeOptions(LoggingOptions):
     replicas: int = option(1, "scheduler+worker groups per model, each a worker with its own --kv-memory; the "
                            "router sends a request to the replica holding the longest cached prefix of it "
                            "(--routing)", Integer(1, 64))
+    gpus: str | None = option(None, GPUS_HELP, GpuList())
 
 
 # every user-facing option of the three processes, each once; serve assigns the internal ones
@@ -68,17 +71,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, OPTIONS)
 
 
-def for_model(resolved: Resolved, model: ServedModel) -> Resolved:
-    """The options as one model's worker sees them (its checks name --model)."""
+def for_model(resolved: Resolved, model: ServedModel, device: int | None = None) -> Resolved:
+    """The options as one model's worker sees them (its checks name --model); `device`: the GPU
+    --gpus gives it, a cuda worker's."""
+    on_gpu = {} if device is None else {"backend": "cuda", "device": device}
     return dataclasses.replace(resolved, options=[*resolved.options, WORKER_MODEL],
-                               values={**resolved.values, "model": model.ref},
+                               values={**resolved.values, "model": model.ref, **on_gpu},
                                sources={**resolved.sources, "model": resolved.source("models")})
+
+
+def gpu_devices(resolved: Resolved) -> list[int] | None:
+    """The GPUs --gpus names, found on this host (None without --gpus); a ConfigError naming what was
+    found where one is missing, or where --gpus cannot apply."""
+    v = resolved.values
+    if v["gpus"] is None:
+        return None
+    if v["backend"] == "cpu":
+        raise ConfigError(f"{resolved.where('gpus')}: the workers would run on the CPU "
+                          f"({resolved.where('backend')}); give --backend cuda or auto")
+    if len(v["models"] or ()) > 1 or v["replicas"] > 1:
+        raise ConfigError(f"{resolved.where('gpus')}: serves one model with one replica per GPU; give one --model "
+                          "and leave --replicas at 1")
+    from worker.devices import detect_gpus
+    from worker.placement import BackendUnavailable, cuda_problem
+    try:
+        gpus = select_gpus(v["gpus"], detect_gpus())
+    except BackendUnavailable as exc:
+        raise ConfigError(f"{resolved.where('gpus')}: {exc}") from None
+    if (problem := cuda_problem()) is not None:
+        raise ConfigError(f"{resolved.where('gpus')}: found {'; '.join(g.describe() for g in gpus)} but {problem}")
+    return [g.index for g in gpus]
 
 
 def _check(resolved: Resolved) -> None:
     router_config.check(resolved)
-    for model in served_models(resolved.values["models"], resolved.values["served_model_name"]):
-        worker_config.check(for_model(resolved, model))
+    models = served_models(resolved.values["models"], resolved.values["served_model_name"])
+    devices = gpu_devices(resolved)
+    for model in models:
+        for device in devices or [None]:
+            worker_config.check(for_model(resolved, model, device))
+    groups = len(models) * resolved.values["replicas"]
+    if devices is None and groups > 1 and worker_config.choose_placement(resolved).name == "cuda":
+        raise ConfigError(f"{resolved.where('backend')}: {groups} workers (models × --replicas) would share GPU 0, "
+                          "each sizing its KV pool from the same free memory; serve one model on each GPU "
+                          "with --gpus, or --backend cpu")
     check_speculative(resolved)
 
 
@@ -89,7 +125,10 @@ def run(flags: argparse.Namespace) -> int:
     args, resolved = configured
     token = secrets.token_hex(16)        # the children's internal token: only they know it
     models = served_models(resolved.values["models"], resolved.values["served_model_name"])
-    groups = [(m, r) for m in models for r in range(args.replicas)]
+    devices = gpu_devices(resolved)
+    # (model, replica, GPU): with --gpus, one replica of the one model per GPU
+    groups = ([(models[0], r, d) for r, d in enumerate(devices)] if devices is not None
+              else [(m, r, None) for m in models for r in range(args.replicas)])
     worker_cfg = resolved.build(WorkerConfig, host="127.0.0.1", port=0, internal_token=token)
     scheduler_cfg = resolved.build(SchedulerConfig, host="127.0.0.1", port=0, internal_token=token)
     router_cfg = resolved.build(RouterConfig, internal_token=token)
@@ -106,23 +145,31 @@ def run(flags: argparse.Namespace) -> int:
         status_path = ready_dir / "supervisor.json"
         environment = environment_without(o for options in CHILD_OPTIONS.values() for o in options)
 
-        def child(name: str, config: Any, group: str | None = None) -> Child:
-            c = Child(name, CHILD_OPTIONS[name], config, ready_dir, args.start_timeout, environment,
+        def child(name: str, config: Any, group: str | None = None, env: dict[str, str] | None = None) -> Child:
+            c = Child(name, CHILD_OPTIONS[name], config, ready_dir, args.start_timeout, {**environment, **(env or {})},
                       label=name if group is None else f"{name}/{group}")
             children.append(c)
             return c
 
-        def group_name(model: ServedModel, replica: int) -> str | None:
-            return None if len(groups) == 1 else f"{model.name}/{replica}"
+        def group_name(model: ServedModel, replica: int, device: int | None) -> str | None:
+            return (None if len(groups) == 1 and device is None
+                    else f"{model.name}/{replica if device is None else f'gpu{device}'}")
+
+        def worker(model: ServedModel, device: int | None) -> Any:
+            config = dataclasses.replace(worker_cfg, model=model.ref, port=free_port())
+            return config if device is None else dataclasses.replace(config, backend="cuda", device=device)
+
+        def worker_env(device: int | None) -> dict[str, str]:
+            # the worker sees its one GPU (CuPy's device 0); NVML still names it by `device`
+            return {} if device is None else {"CUDA_VISIBLE_DEVICES": str(device), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
         try:
             # fixed ports: a restarted worker or scheduler comes back where its client dials
-            workers = [child("worker", dataclasses.replace(worker_cfg, model=m.ref, port=free_port()), group_name(m, r))
-                       for m, r in groups]
+            workers = [child("worker", worker(m, d), group_name(m, r, d), worker_env(d)) for m, r, d in groups]
             schedulers = [child("scheduler", dataclasses.replace(scheduler_cfg, worker=w.wait_ready(workers)["address"],
-                                                                 port=free_port()), group_name(m, r))
-                          for (m, r), w in zip(groups, workers)]
+                                                                 port=free_port()), group_name(m, r, d))
+                          for (m, r, d), w in zip(groups, workers)]
             addresses: dict[str, list[str]] = {}
-            for (m, _), s in zip(groups, schedulers):
+            for (m, _, _), s in zip(groups, schedulers):
                 addresses.setdefault(m.name, []).append(s.wait_ready(children)["address"])
             write_status(status_path, children)
             entries = tuple(f"{name}={','.join(a)}" if len(models) > 1 else ",".join(a)
@@ -140,7 +187,8 @@ def run(flags: argparse.Namespace) -> int:
         if args.ready_file:
             Path(args.ready_file).write_text(json.dumps(info))
         print(f"TensorServe is serving {', '.join(m.name for m in models)}"
-              f"{f' ({args.replicas} replicas each)' if args.replicas > 1 else ''}: OpenAI API at http://{public['http']}/v1, "
+              f"{f' ({args.replicas} replicas each)' if args.replicas > 1 else ''}"
+              f"{f' (one replica per GPU: {devices})' if devices is not None else ''}: OpenAI API at http://{public['http']}/v1, "
               f"gRPC Generation at {public['grpc']}", flush=True)
 
         written = write_status(status_path, children)

@@ -15,6 +15,21 @@ FIXTURES = Path(__file__).parent / "fixtures"
 os.environ.setdefault("TS_PREFIX_CHECKPOINTS", "0")
 os.environ.setdefault("TS_CHECKPOINT_DIR", tempfile.mkdtemp(prefix="tensorserve-test-checkpoints-"))
 MODELS = ["smollm2-135m", "gemma3-270m"]
+# the kernels backend of the shared engines: `make gpu-check` runs the agreement tests with cuda
+BACKEND = os.environ.get("TS_TEST_BACKEND", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu skip, saying why, where no GPU is found or CuPy does not import."""
+    marked = [item for item in items if "gpu" in item.keywords]
+    if not marked:
+        return
+    from worker.devices import detect_gpus
+    from worker.placement import cuda_problem
+    detection = detect_gpus()
+    problem = (None if detection.gpus else detection.describe()) or cuda_problem()
+    for item in marked if problem else ():
+        item.add_marker(pytest.mark.skip(reason=f"needs an NVIDIA GPU and CuPy: {problem}"))
 
 
 def load_fixture(model: str) -> dict:
@@ -30,7 +45,7 @@ def engines():
     def get(model: str, kv_cache_dtype: str = "f16") -> "LocalEngine":
         key = (model, kv_cache_dtype)
         if key not in cache:    # another codec's pool: a smaller one (the default engine's is 512 MiB)
-            cache[key] = LocalEngine(model, load_tokenizer=False, kv_cache_dtype=kv_cache_dtype,
+            cache[key] = LocalEngine(model, load_tokenizer=False, kv_cache_dtype=kv_cache_dtype, backend=BACKEND,
                                      **({} if kv_cache_dtype == "f16" else {"kv_memory": 64 * 2**20}))
         # tests also drive the shared runner directly (forward_logits, engines of their own), which
         # overwrites KV blocks this engine's prefix cache may still list: forget them

@@ -19,6 +19,7 @@ from shared.common_config import ModelRef
 from shared.option_kinds import (Address, Choice, FilePath, Flag, Integer, Number, Port, Repeated, Size, Text,
                                  parse_size)
 from shared.served_models import ModelEntry, SchedulerGroup
+from tensorserve.gpus import GpuList
 from shared.options import ConfigError, Option, options_of, resolve
 from tensorserve import cli, options_table
 from tensorserve.serve import OPTIONS as SERVE_OPTIONS
@@ -53,7 +54,11 @@ def sample(opt: Option, tmp: Path) -> str:
         low = kind.minimum if kind.minimum is not None else 0
         return str(max(low, (opt.default or low)) + 1)
     if isinstance(kind, Number):
+        if kind.maximum is not None:            # a fraction (--gpu-memory-utilization)
+            return str(((opt.default or 0) + kind.maximum) / 2)
         return str((opt.default or 0) + 1.5)
+    if isinstance(kind, GpuList):
+        return "0,1"
     if isinstance(kind, Address):
         return "127.0.0.1:4321"
     if isinstance(kind, FilePath):

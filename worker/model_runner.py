@@ -20,8 +20,10 @@ from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 from worker.config import DEFAULT_KV_MEMORY
 from worker.diffusion.canvas_step import CanvasStep
 from worker.draft_model import DraftModel, check_vocabulary
+from worker.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION, GpuBudget, weight_bytes
 from worker.kv_pool import DEFAULT_CODEC, KVCapacity, KVPool, plan_capacity
 from worker.models import ForwardInput, model_class
+from worker.placement import choose_backend, cuda_ordinal
 from worker.sampling import Sampler, make_generator
 from worker.verification import verify_drafts
 from worker.weights import WeightLoader
@@ -44,10 +46,13 @@ class _SeqState:
 class ModelRunner:
     def __init__(self, model_path: str | Path, backend: str = "cpu", kv_memory: int = DEFAULT_KV_MEMORY,
                  block_size: int = 16, max_context: int | None = None, kv_cache_dtype: str = DEFAULT_CODEC,
-                 draft_model: str | Path | None = None):
+                 draft_model: str | Path | None = None, device: int = 0,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
         """`draft_model`: a draft GGUF run beside the target for speculative decoding (its own K/V
         pool, block ids mirroring the target's; worker/draft_model.py); it must share the
-        target's vocabulary."""
+        target's vocabulary. `backend`: auto, cpu or cuda (worker/placement.py), `device` the GPU
+        (NVML's index) of a cuda one, whose KV pool is sized from its free memory ×
+        `gpu_memory_utilization` less the weights (worker/gpu_memory.py) instead of `kv_memory`."""
         t0 = time.perf_counter()
         self.gguf = GGUFFile(model_path)
         # the architecture first: another architecture's file lacks the metadata keys a config reads
@@ -58,7 +63,18 @@ class ModelRunner:
             draft_gguf = GGUFFile(draft_model)
             model_class(draft_gguf.architecture, draft_gguf.path)
             check_vocabulary(self.gguf, draft_gguf)
-        self.ops = get_backend(backend)
+        self.placement = choose_backend(backend, device)
+        log.info("kernels backend %s (%s)", self.placement.name, self.placement.why)
+        if self.placement.gpu is not None:
+            gpu = self.placement.gpu
+            weights = weight_bytes(self.gguf) + (weight_bytes(draft_gguf) if draft_gguf is not None and
+                                                 draft_gguf.path.resolve() != self.gguf.path.resolve() else 0)
+            budget = GpuBudget(gpu, gpu_memory_utilization, weights)
+            log.info("KV pool on the GPU: %s", budget.describe())
+            kv_memory = budget.kv_bytes
+            self.ops = get_backend("cuda", device=cuda_ordinal(gpu.index), capability=gpu.capability)
+        else:
+            self.ops = get_backend("cpu")
         # one plan for both models' matrices: the backend picks its products once
         self.ops.plan_weights({t.ggml_type for g in (self.gguf, draft_gguf) if g is not None
                                for t in g.tensors.values() if len(t.shape) == 2})
