@@ -53,7 +53,3 @@ def engines():
         return cache[key]
     return get
 
-
-def pytest_configure(config):
-    # tests/test_cuda_kernels.py: they need CuPy and a CUDA device (make gpu-check) and skip without
-    config.addinivalue_line("markers", "gpu: needs CuPy and a CUDA GPU (skipped where there is none)")
