@@ -53,3 +53,36 @@ def engines():
         return cache[key]
     return get
 
+
+# the most tokens a test compares with a model's plain greedy continuations (greedy_references)
+REFERENCE_TOKENS = {"smollm2-135m": 24, "gemma3-270m": 12}
+
+
+@pytest.fixture(scope="session")
+def greedy_references(engines):
+    """Plain greedy continuations (ignore_eos, no speculation, no prefix caching) of a model's fixture
+    prompts, run together in one engine on the session's runner: what the speculative tests
+    (test_speculative_decoding.py, test_draft_model.py) compare their outputs with. Computed once a
+    session per model for REFERENCE_TOKENS tokens; `get(model, n)` gives each prompt's first n (a
+    greedy run's first n tokens are the n-token run's)."""
+    from scheduler.engine import Engine
+    from scheduler.sequence import Sequence
+    from shared.sampling_params import SamplingParams
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(model: str, n: int) -> list[list[int]]:
+        assert n <= REFERENCE_TOKENS[model], f"{n} tokens: raise REFERENCE_TOKENS[{model!r}]"
+        if model not in cache:
+            runner = engines(model).runner
+            cap = runner.capacity
+            engine = Engine(runner.execute, cap.num_blocks, cap.block_size, cap.max_context,
+                            fingerprint=runner.config.fingerprint, enable_prefix_caching=False)
+            params = SamplingParams(max_tokens=REFERENCE_TOKENS[model], temperature=0.0, ignore_eos=True)
+            seqs = [Sequence(list(c["prompt_tokens"]), params) for c in load_fixture(model)["generate"]]
+            for s in seqs:
+                engine.add(s)
+            while engine.has_work():
+                engine.step()
+            cache[model] = [list(s.output) for s in seqs]
+        return [out[:n] for out in cache[model]]
+    return get

@@ -36,8 +36,10 @@ def teacher_forced(engines, model: str, kv_cache_dtype: str, references: dict | 
            "q8_0 cache does (docs/BENCHMARKS.md, KV cache codecs): the strict bar for q8_0 is against "
            "llama.cpp's q8_0 (test_q8_0_kv_cache_clears_the_bar_against_llama_cpp_with_a_q8_0_cache)",
     strict=False)),
-    pytest.param("q4_0", marks=pytest.mark.xfail(reason="q4_0's K/V are only reported against the bar",
-                                                 strict=False))])
+    # a figure only (an xfail that never fails the run): measured with the benchmarks (-m slow); q4_0's
+    # K/V through a model's passes are checked in CI by test_kv_codecs.py (bytes, attention, replays)
+    pytest.param("q4_0", marks=[pytest.mark.xfail(reason="q4_0's K/V are only reported against the bar",
+                                                  strict=False), pytest.mark.slow])])
 def test_teacher_forced_scores_clear_the_bar(model, kv_cache_dtype, engines):
     """With the default f16 KV cache, llama.cpp's own; the quantized caches are reported (-s prints
     their figures) against references computed with f16."""

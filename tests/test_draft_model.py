@@ -54,9 +54,9 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(engines, prompts) -> list[list[int]]:
-    """Plain greedy outputs, batched, from the session's engine without speculation."""
-    return plain(engines(MODEL).runner, prompts, greedy(20))
+def reference(greedy_references) -> list[list[int]]:
+    """Plain greedy outputs of `prompts`, batched, on the session's runner without speculation."""
+    return greedy_references(MODEL, 20)
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -76,10 +76,6 @@ def run(engine: Engine, seqs: list[Sequence]) -> list[list[int]]:
     while engine.has_work():
         engine.step()
     return [s.output for s in seqs]
-
-
-def plain(runner, prompts, params) -> list[list[int]]:
-    return run(make_engine(runner, enable_prefix_caching=False), [Sequence(list(p), params) for p in prompts])
 
 
 # ---- make-draft ----------------------------------------------------------------------------------
@@ -187,7 +183,7 @@ def test_sampled_tokens_with_greedy_drafts_keep_the_target_distribution(made_run
     assert chi2 < CHI2_999[len(ids) - 1], (chi2, counts, expected)
 
 
-def test_gemma3_with_a_made_draft_keeps_its_greedy_output(engines, tmp_path):
+def test_gemma3_with_a_made_draft_keeps_its_greedy_output(greedy_references, tmp_path):
     """The other architecture (sliding-window layers, tied head): a draft of Gemma 3's first 6
     layers drafts, and the greedy output is the plain one."""
     from tensorserve.make_draft import make_draft
@@ -201,7 +197,7 @@ def test_gemma3_with_a_made_draft_keeps_its_greedy_output(engines, tmp_path):
     prompts = [c["prompt_tokens"] for c in load_fixture("gemma3-270m")["generate"]]
     spec = make_controller("draft", 2, governor=False)
     assert run(make_engine(runner, spec), [Sequence(list(p), greedy(12)) for p in prompts]) == \
-        plain(engines("gemma3-270m").runner, prompts, greedy(12))
+        greedy_references("gemma3-270m", 12)
     assert spec.stats.draft_tokens > 0
 
 
@@ -271,7 +267,7 @@ def metric(text: str, name: str) -> float:
 
 
 @pytest.mark.parametrize("draft", ["self", "made"])
-def test_served_greedy_output_equals_plain_with_a_draft_model(tmp_path, engines, made_draft, draft):
+def test_served_greedy_output_equals_plain_with_a_draft_model(tmp_path, greedy_references, made_draft, draft):
     import httpx
     draft_arg = MODEL if draft == "self" else str(made_draft)
     ready = tmp_path / "serve.json"
@@ -282,16 +278,16 @@ def test_served_greedy_output_equals_plain_with_a_draft_model(tmp_path, engines,
         timeout=300, name="serve")
     try:
         prompts = [c["prompt_tokens"] for c in load_fixture(MODEL)["generate"]][:3]
-        expected = engines(MODEL).generate(prompts, greedy(16))
+        expected = greedy_references(MODEL, 16)[:3]
         base = f"http://{info['http']}"
+        from router.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_metadata(GGUFFile(resolve_model(MODEL)).metadata)
         with httpx.Client(timeout=180) as client:
             for ids, want in zip(prompts, expected):
                 r = client.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 16,
                                                                  "temperature": 0, "ignore_eos": True})
                 assert r.status_code == 200, r.text
-                from router.tokenizer import Tokenizer
-                tokenizer = Tokenizer.from_metadata(GGUFFile(resolve_model(MODEL)).metadata)
-                assert r.json()["choices"][0]["text"] == tokenizer.decode(want.tokens)
+                assert r.json()["choices"][0]["text"] == tokenizer.decode(want)
             metrics = client.get(f"{base}/metrics").text
             drafted = metric(metrics, "tensorserve_spec_decode_num_draft_tokens_total")
             accepted = metric(metrics, "tensorserve_spec_decode_num_accepted_tokens_total")

@@ -1,5 +1,5 @@
 """The locust load test (loadtest/locustfile.py, through loadtest/run_locust.py): 8 users streaming over
-HTTP and gRPC for 20 s against `tensorserve serve` make requests, none of which fails, and report time
+HTTP and gRPC for 10 s against `tensorserve serve` make requests, none of which fails, and report time
 to first token and inter-token latency of both APIs as entries of their own in locust's CSV."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from processes import REPO, start_with_ready_file, stop
 
 START_TIMEOUT = 180      # the first start compiles the kernels
-USERS, DURATION_S = 8, 20
+USERS, DURATION_S = 8, 10      # every user's request in flight at the end finishes within --stop-timeout
 # few tokens a request: with a busy CPU (a 2-core runner shared with other work) a decode step of 5-8
 # sequences took up to ~3 s, and a user's request must end within --stop-timeout to be counted
 MAX_TOKENS = 8

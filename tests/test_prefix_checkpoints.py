@@ -4,10 +4,13 @@ pool: a restart), the blocks found by their hashes and imported: the rest of the
 on them samples the cold run's token with the same log-probability. A corrupted value is a miss."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
-from processes import stop
+from processes import free_port, stop
+from redis_server import RedisServer
 from scheduler.block_manager import block_hash
 from scheduler.block_stores import DirectoryStore, RedisStore
 from scheduler.prefix_checkpoints import PrefixCheckpoints, geometry_of
@@ -22,50 +25,76 @@ def _first_token(client: WorkerClient, request: StepRequest):
     return client.step(request).results[0]
 
 
-@pytest.mark.parametrize("store_kind", ["directory", "redis"])
-def test_blocks_saved_before_a_restart_continue_the_prompt_exactly(tmp_path, request, store_kind):
-    redis_url = request.getfixturevalue("redis_server").url if store_kind == "redis" else None
+def _store(kind: str, geometry, folder, redis_url: str | None):
+    if kind == "directory":
+        return DirectoryStore(geometry.fingerprint, folder, max_bytes=2**30)
+    return RedisStore(geometry.fingerprint, redis_url, ttl_s=600, max_bytes=2**30)
 
-    def store(geometry):
-        if store_kind == "directory":
-            return DirectoryStore(geometry.fingerprint, tmp_path / "checkpoints", max_bytes=2**30)
-        return RedisStore(geometry.fingerprint, redis_url, ttl_s=600, max_bytes=2**30)
 
-    proc, address = start_worker(tmp_path, name="before")
-    client = WorkerClient(address)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One worker computes PROMPT cold and saves its three full blocks into a directory store and
+    into a Redis store (a private redis-server kept for the module; none where it is missing), then
+    stops: what each restore starts from."""
+    tmp = tmp_path_factory.mktemp("saved")
+    redis = RedisServer(free_port(), tmp) if shutil.which("redis-server") else None
+    if redis is not None:
+        redis.start()
     try:
-        geometry = geometry_of(client.describe())
-        cold = _first_token(client, StepRequest([chunk(1, PROMPT, 0, [0, 1, 2, 3], len(PROMPT))]))
-        salt = geometry.fingerprint.encode()
-        hashes, parents, tokens, parent = [], [], [], None
-        for i in range(3):
-            piece = PROMPT[16 * i:16 * (i + 1)]
-            parent_of_this = parent
-            parent = block_hash(salt, parent, piece)
-            hashes.append(parent)
-            parents.append(parent_of_this)
-            tokens.append(piece)
-        saved = PrefixCheckpoints([store(geometry)], geometry).save(client, [0, 1, 2], hashes, parents, tokens)
-        assert saved == 3
+        proc, address = start_worker(tmp, name="before")
+        client = WorkerClient(address)
+        try:
+            geometry = geometry_of(client.describe())
+            cold = _first_token(client, StepRequest([chunk(1, PROMPT, 0, [0, 1, 2, 3], len(PROMPT))]))
+            salt = geometry.fingerprint.encode()
+            hashes, parents, tokens, parent = [], [], [], None
+            for i in range(3):
+                piece = PROMPT[16 * i:16 * (i + 1)]
+                parent_of_this = parent
+                parent = block_hash(salt, parent, piece)
+                hashes.append(parent)
+                parents.append(parent_of_this)
+                tokens.append(piece)
+            info = {"geometry": geometry, "cold": cold, "hashes": hashes, "folder": tmp / "checkpoints",
+                    "redis_url": redis.url if redis is not None else None}
+            for kind in ("directory", "redis") if redis is not None else ("directory",):
+                store = _store(kind, geometry, info["folder"], info["redis_url"])
+                assert PrefixCheckpoints([store], geometry).save(client, [0, 1, 2], hashes, parents, tokens) == 3
+        finally:
+            client.close()
+            assert stop(proc) == 0
+        yield info
     finally:
-        client.close()
-        assert stop(proc) == 0
+        if redis is not None and redis.proc.poll() is None:
+            redis.kill()
 
-    proc, address = start_worker(tmp_path, name="after")          # a new process: an empty pool
+
+@pytest.fixture(scope="module")
+def restarted(saved, tmp_path_factory):
+    """A new worker process, started after the one that computed PROMPT stopped: its pool never
+    held PROMPT's K/V. Each restore below writes blocks of its own."""
+    proc, address = start_worker(tmp_path_factory.mktemp("restarted"), name="after")
     client = WorkerClient(address)
-    try:
-        assert geometry_of(client.describe()) == geometry
-        checkpoints = PrefixCheckpoints([store(geometry)], geometry)
-        found = checkpoints.find(hashes + [b"\x00" * 16])             # the 4th is not stored: the prefix ends
-        assert [b.block_hash for b in found] == hashes
-        checkpoints.restore(client, [7, 8, 9], found)
-        rest = chunk(2, PROMPT[48:], 48, [7, 8, 9, 10], len(PROMPT))
-        rest.prefix_ids = np.asarray(PROMPT[:48], np.int64)
-        warm = _first_token(client, StepRequest([rest]))
-        assert warm.token_id == cold.token_id and warm.logprob == cold.logprob
-    finally:
-        client.close()
-        assert stop(proc) == 0
+    yield client
+    client.close()
+    assert stop(proc) == 0
+
+
+@pytest.mark.parametrize("store_kind,first_block", [("directory", 7), ("redis", 17)])
+def test_blocks_saved_before_a_restart_continue_the_prompt_exactly(saved, restarted, store_kind, first_block):
+    if store_kind == "redis" and saved["redis_url"] is None:
+        pytest.skip("redis-server is not installed here: the Redis store's tests need a private one")
+    geometry, hashes, client = saved["geometry"], saved["hashes"], restarted
+    assert geometry_of(client.describe()) == geometry
+    checkpoints = PrefixCheckpoints([_store(store_kind, geometry, saved["folder"], saved["redis_url"])], geometry)
+    found = checkpoints.find(hashes + [b"\x00" * 16])             # the 4th is not stored: the prefix ends
+    assert [b.block_hash for b in found] == hashes
+    blocks = [first_block + i for i in range(4)]
+    checkpoints.restore(client, blocks[:3], found)
+    rest = chunk(first_block, PROMPT[48:], 48, blocks, len(PROMPT))
+    rest.prefix_ids = np.asarray(PROMPT[:48], np.int64)
+    warm = _first_token(client, StepRequest([rest]))
+    assert warm.token_id == saved["cold"].token_id and warm.logprob == saved["cold"].logprob
 
 
 def test_a_corrupted_stored_block_is_a_miss(tmp_path):
@@ -83,7 +112,7 @@ def test_a_corrupted_stored_block_is_a_miss(tmp_path):
     assert sum(checkpoints.rejected.values()) == 1
 
 
-def test_a_stored_block_whose_values_are_not_finite_is_rejected_at_import(tmp_path):
+def test_a_stored_block_whose_values_are_not_finite_is_rejected_at_import(tmp_path, restarted):
     """A value that checks out (checksum, hash, geometry) but carries NaN K/V, as a pass that
     overflowed would have saved it: the worker refuses the import, the tier rejects that block,
     removes it from its store and restores the blocks before it; the rest is recomputed."""
@@ -94,8 +123,7 @@ def test_a_stored_block_whose_values_are_not_finite_is_rejected_at_import(tmp_pa
     from scheduler.checkpoint_tier import CheckpointTier
     from scheduler.sequence import Sequence
     from shared.sampling_params import SamplingParams
-    proc, address = start_worker(tmp_path, name="nan")
-    client = WorkerClient(address)
+    client = restarted              # a worker of the module's; this test's sequence and blocks are its own
     tier = None
     try:
         geometry = geometry_of(client.describe())
@@ -122,5 +150,3 @@ def test_a_stored_block_whose_values_are_not_finite_is_rejected_at_import(tmp_pa
     finally:
         if tier is not None:
             tier.close()
-        client.close()
-        assert stop(proc) == 0

@@ -33,11 +33,31 @@ def stop_serve(proc: subprocess.Popen) -> int | None:
     return stop(proc, timeout=60)
 
 
+class SharedStack:
+    """One `tensorserve serve` for the module's tests; the SIGTERM test (the module's last) stops
+    it, and a test after that, or run alone, gets a new one."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.proc, self.info, self.starts = tmp, None, None, 0
+
+    def get(self) -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            self.starts += 1
+            self.proc, self.info = start_serve(self.tmp, f"serve-{self.starts}")
+        return self.info
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    proc, info = start_serve(tmp_path_factory.mktemp("serve"), "serve")
-    yield info
-    stop_serve(proc)
+def stack(tmp_path_factory):
+    shared = SharedStack(tmp_path_factory.mktemp("serve"))
+    yield shared
+    if shared.proc is not None:
+        stop_serve(shared.proc)
+
+
+@pytest.fixture
+def served(stack):
+    return stack.get()
 
 
 def test_greedy_through_the_stack_equals_in_process_generation(served, engines):
@@ -124,11 +144,21 @@ def test_dead_worker_gives_clear_errors_and_the_router_stays_up(tmp_path):
         assert not pid_alive(info["pids"][name]), f"{name} still running after SIGTERM"
 
 
-def test_sigterm_stops_all_three_and_leaves_no_shared_memory(tmp_path):
-    proc, info = start_serve(tmp_path, "stopping")
+def test_serve_children_listen_on_loopback_only(served):
+    """Scheduler and worker listen on 127.0.0.1 unless told otherwise (test_internal_surface.py
+    has the rest of the internal surface)."""
+    from test_internal_surface import _listening, _loopback
+    for name in ("worker", "scheduler"):
+        addresses = _listening(served["pids"][name])
+        assert addresses and all(_loopback(ip) for ip in addresses), (name, addresses)
+
+
+def test_sigterm_stops_all_three_and_leaves_no_shared_memory(stack):
+    """SIGTERM to the module's stack, which has served the tests above (the last test here)."""
+    info = stack.get()
     client = openai.OpenAI(base_url=f"http://{info['http']}/v1", api_key="unused")
     assert client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2).choices[0].text is not None
-    assert stop_serve(proc) == 0
+    assert stop_serve(stack.proc) == 0
     for name, pid in info["pids"].items():
         assert not pid_alive(pid), f"{name} still running"
         leftovers = [p.name for p in Path("/dev/shm").glob(f"ts-{pid}-*")]

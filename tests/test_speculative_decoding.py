@@ -67,9 +67,11 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(runner, prompts) -> list[list[int]]:
-    """Their plain greedy outputs, batched (batching changes no token: test_continuous_batching)."""
-    return plain(runner, prompts, greedy(24))
+def reference(runner, prompts, greedy_references) -> list[list[int]]:
+    """Their plain greedy outputs, batched (batching changes no token: test_continuous_batching): the
+    fixture prompts' from the session's references, the two added prompts' here."""
+    fixture_outputs = greedy_references(MODEL, 24)
+    return fixture_outputs + plain(runner, prompts[len(fixture_outputs):], greedy(24))
 
 
 def test_greedy_output_with_ngram_drafts_is_the_plain_output_on_every_prompt(runner, prompts, reference):
@@ -78,12 +80,12 @@ def test_greedy_output_with_ngram_drafts_is_the_plain_output_on_every_prompt(run
     assert spec.stats.drafts > 0 and spec.stats.accepted_tokens > 0
 
 
-def test_greedy_output_with_ngram_drafts_is_the_plain_output_on_gemma3(engines):
+def test_greedy_output_with_ngram_drafts_is_the_plain_output_on_gemma3(engines, greedy_references):
     runner = engines("gemma3-270m").runner
     prompts = [c["prompt_tokens"] for c in load_fixture("gemma3-270m")["generate"]]
     spec = make_controller("ngram", 4, governor=False)
     assert run(make_engine(runner, spec), [Sequence(list(p), greedy(12)) for p in prompts]) == \
-        plain(runner, prompts, greedy(12))
+        greedy_references("gemma3-270m", 12)
     assert spec.stats.accepted_tokens > 0
 
 
