@@ -122,6 +122,15 @@ class Backend(Protocol):
         quantized encoding directly."""
     def matmul(self, x: Array, w: Any) -> Array:
         """x [n, in] times the prepared weight -> [n, out]."""
+    def rowwise_weight(self, w: Any) -> Any | None:
+        """Optional (models ask with getattr): the prepared weight as one whose `matmul` gives each
+        row exactly the result it gets alone, whatever rows share the call, or None where the
+        backend has no such product (text-diffusion canvases packed into one forward)."""
+    def head_stats(self, x: Array, w: Any, need_sum: bool, need_second: bool, need_entropy: bool
+                   ) -> tuple[np.ndarray, ...] | None:
+        """Optional (asked with getattr): per row of the logits x @ w, (argmax, max, exp(runner-up -
+        max), sum(exp(l - max)), sum(exp(l - max) * (l - max))) without materializing them, each row
+        as alone; None where the backend cannot for w (text-diffusion samplers at temperature 0)."""
     def prepare_embedding(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Any:
         """Take a (possibly quantized) [vocab, d_model] table as stored in the GGUF."""
     def embedding(self, table: Any, ids: np.ndarray) -> Array:

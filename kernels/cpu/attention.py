@@ -57,7 +57,15 @@ def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_lens: np.nd
     """Non-causal attention of each packed sequence over its own rows, in float32 from K/V that
     never enter the pool (a diffusion canvas is recomputed whole every step; llama.cpp's LLaDA and
     Dream graphs keep their K/V in float32 too). Sequence by sequence, so a canvas's result is the
-    same whatever canvases are packed with it."""
+    same whatever canvases are packed with it: one compiled call over every (sequence, head) on
+    numba's threads (the diffusion pass's products run there too), else numpy."""
+    if elementwise.available():
+        lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
+        out = np.empty(q.shape, np.float32)
+        _dense_kernel(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k, dtype=np.float32),
+                      np.ascontiguousarray(v, dtype=np.float32), np.cumsum(lens) - lens, lens,
+                      np.float32(scale), out)
+        return out
     n_heads, dim = q.shape[1], q.shape[2]
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -192,3 +200,52 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
         acc /= total
         out[:, :, a:b] = acc.reshape(n_kv, group, t, dim)
     return out.transpose(2, 0, 1, 3).reshape(n_q, n_heads, dim)
+
+
+def _dense_rows(q, k, v, starts, lens, scale, out):  # pragma: no cover - compiled by numba
+    """out[i, h] = softmax(scale * q[i, h] . K^T) V over the rows of i's own sequence, for every
+    (sequence, head) in parallel: K and V transposed per sequence and KV head, so that a query's
+    scores are a loop across keys and each output a dot product across them, both vectorized."""
+    n_heads, dim = q.shape[1], q.shape[2]
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    for item in prange(len(lens) * n_heads):
+        s_i = item // n_heads
+        h = item % n_heads
+        kvh = h // group
+        start, n = starts[s_i], lens[s_i]
+        kt = np.empty((dim, n), np.float32)
+        vt = np.empty((dim, n), np.float32)
+        for j in range(n):
+            for d in range(dim):
+                kt[d, j] = k[start + j, kvh, d]
+                vt[d, j] = v[start + j, kvh, d]
+        scores = np.empty(n, np.float32)
+        bits = np.empty(n, np.int32)
+        for i in range(n):       # no array views in here: each would take a reference count
+            for j in range(n):
+                scores[j] = np.float32(0.0)
+            for d in range(dim):
+                qd = q[start + i, h, d] * scale
+                for j in range(n):
+                    scores[j] += qd * kt[d, j]
+            inv = np.float32(1.0) / elementwise.softmax_numerators(scores, bits)
+            for d in range(dim):
+                acc = np.float32(0.0)
+                for j in range(n):
+                    acc += scores[j] * vt[d, j]
+                out[start + i, h, d] = acc * inv
+
+
+if elementwise.available():
+    from numba import njit, prange
+    _dense_kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_dense_rows)
+else:  # pragma: no cover
+    prange = range
+
+
+def warm_up_dense() -> None:
+    """Compile (or load from numba's cache) the compiled dense attention."""
+    if elementwise.available():
+        x = np.ones((2, 2, 4), np.float32)
+        dense_attention(x, x[:, :1], x[:, :1], np.array([2]), 0.5)
