@@ -147,9 +147,11 @@ class Backend(Protocol):
     def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, meta: AttentionMetadata,
                         scale: float, window: int = 0) -> Array:
         """q [n, heads, d] -> [n, heads, d]; keys k with p - window < k <= p when window > 0."""
-    def dense_attention(self, q: Array, k: Array, v: Array, seq_lens: np.ndarray, scale: float) -> Array:
+    def dense_attention(self, q: Array, k: Array, v: Array, seq_lens: np.ndarray, scale: float,
+                        rows: np.ndarray | None = None) -> Array:
         """Non-causal attention of each packed sequence over its own rows' K/V [n, kv_heads, d]
-        (text-diffusion canvases: recomputed every step, never stored in the pool)."""
+        (text-diffusion canvases: recomputed every step, never stored in the pool); `rows`
+        (non-decreasing): only those query rows' outputs."""
     def swiglu(self, gate: Array, up: Array) -> Array: ...
     def gelu_tanh_gate(self, gate: Array, up: Array) -> Array: ...
     def log_softmax(self, x: Array) -> Array: ...

@@ -401,8 +401,8 @@ class CPUBackend:
                                          compiled=self._compiled(q.shape[0]), rowwise=self._rowwise(q.shape[0]))
 
     def dense_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_lens: np.ndarray,
-                        scale: float) -> np.ndarray:
-        return attention.dense_attention(q, k, v, seq_lens, scale)
+                        scale: float, rows: np.ndarray | None = None) -> np.ndarray:
+        return attention.dense_attention(q, k, v, seq_lens, scale, rows)
 
     def _rowwise(self, rows: int) -> bool:
         """Passes whose products code each row in 8 bits alone: each row attends alone, with

@@ -57,10 +57,12 @@ class LladaModel(LlamaModel):
                 qkv = qkv + bias
             qk, v = self._split_qk_v(qkv)
             qk = ops.rope(qk, inp.positions, c.rope_base, c.rope_dims, c.rope_neox)
-            attn = ops.dense_attention(qk[:, :c.n_heads], qk[:, c.n_heads:], v, lens, scale)
-            attn = attn.reshape(attn.shape[0], -1)
             if il == last and self.rowwise:      # only the rows whose logits are read go on
-                attn, x = attn[inp.output_rows], x[inp.output_rows]
+                attn = ops.dense_attention(qk[:, :c.n_heads], qk[:, c.n_heads:], v, lens, scale, inp.output_rows)
+                x = x[inp.output_rows]
+            else:
+                attn = ops.dense_attention(qk[:, :c.n_heads], qk[:, c.n_heads:], v, lens, scale)
+            attn = attn.reshape(attn.shape[0], -1)
             x = x + self.per_canvas(attn, layer.attn_output, lens)
             h = ops.rms_norm(x, layer.ffn_norm, c.rms_eps)
             gate_up = self.per_canvas(h, layer.gate_up, lens)
