@@ -6,15 +6,19 @@ Each request denoises a canvas of --gen-length tokens after its prompt with llam
 schedule (--steps-per-block, --block-length, --algorithm, --top-k, as `tensorserve diffuse`); the
 prompts are rendered as llama-diffusion-cli renders them (the model's chat template, ChatML where it
 has none) and tokenized with special tokens, and the canvas is padded so prompt + canvas is a
-multiple of the block length (llama.cpp's -ub). steps/s counts the request's own steps (forwards
-that carried its canvas), tokens/s its generated tokens, both over the wall time. The concurrent
-level runs `--concurrency` requests with different prompts and seeds side by side; its tokens/s is
-all of theirs over the level's wall time. Rounds alternate the levels (and the peer).
+multiple of the block length (llama.cpp's -ub). The one-request level runs `--concurrency`
+requests (different prompts and seeds) one at a time, each alone in the batcher; the concurrent
+level runs the same requests side by side. tokens/s is their generated tokens over the level's
+wall time; steps/s a request's own steps (forwards that carried its canvas) over the time it ran
+(one request: all their steps over the level's time). Rounds alternate the levels (and the peer);
+figures are medians of the rounds, and every request's output must be the same alone and batched.
 
 The peer: `--llama-diffusion-cli PATH` (or $LLAMA_DIFFUSION_CLI; else the default build of
-loadtest/build_llama_diffusion_cli.sh where it exists), run with the first prompt, -ub = the
-canvas, the same steps, block length and algorithm, --top-k, --temp 0 --top-p 1, 2 threads; its
-own "total time" (the diffusion loop, model load excluded) gives its steps/s and tokens/s. At
+loadtest/build_llama_diffusion_cli.sh where it exists), one process per request of the one-request
+level, in turn, with its prompt text, -ub = the canvas, the same steps, block length and algorithm, --top-k, --temp 0 --top-p 1, 2 threads; its
+own "total time" (the diffusion loop, model load excluded) gives its steps/s and tokens/s (steps:
+the schedule's steps that commit, as ours are counted; a block whose masks run out before its
+steps do ends there on both sides, llama.cpp after one more forward). At
 --top-k 1 both sides commit argmax tokens and the outputs must agree token for token (checked,
 `outputs_match`); at --top-k 0 llama.cpp's chain at temperature 0 still samples its `dist` from the
 softmax while ours takes the argmax, so only the timings compare (the same work a position: one
@@ -218,37 +222,52 @@ def main() -> int:
     run_level(engine, prompts[:1], params_of)            # warm-up: compiles and first-touch
     one, many, peer = [], [], []
     for _ in range(args.rounds):
-        one.append(run_level(engine, prompts[:1], params_of))
+        # one request at a time: each prompt alone in turn (the same requests as the concurrent level)
+        alone = [run_level(engine, [prompt], lambda _i, i=i: params_of(i)) for i, prompt in enumerate(prompts)]
+        wall = sum(r["wall_s"] for r in alone)
+        one.append({"wall_s": wall, "tok_s": sum(r["tokens"] for r in alone) / wall,
+                    "steps_s": sum(r["steps_per_request"][0] for r in alone) / wall,
+                    "steps": [r["steps_per_request"][0] for r in alone],
+                    "outputs": [r["outputs"][0] for r in alone]})
         if cli is not None:
-            gen, steps = layout(0)
-            peer.append(run_peer(cli, args.model, texts[0], len(prompts[0]) + gen, steps, args))
+            runs = [run_peer(cli, args.model, texts[i], len(prompts[i]) + layout(i)[0], layout(i)[1], args)
+                    for i in range(len(prompts))]
+            peer.append({"total_s": sum(r["total_ms"] for r in runs) / 1e3,
+                         "outputs": [r["output_text"] for r in runs]})
         many.append(run_level(engine, prompts, params_of))
     single = statistics.median(r["tok_s"] for r in one)
     batched = statistics.median(r["tok_s"] for r in many)
-    gen0, steps0 = layout(0)
+    tokens = sum(layout(i)[0] for i in range(len(prompts)))
+    steps_taken = sum(one[0]["steps"])
     report = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join(sys.argv), "model": Path(args.model).name,
               "settings": {**{k: getattr(args, k) for k in ("gen_length", "steps_per_block", "block_length",
                                                             "algorithm", "top_k")},
-                           "prompt_tokens": len(prompts[0]), "canvas_tokens": gen0, "steps": steps0},
+                           "requests": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+                           "canvas_tokens": [layout(i)[0] for i in range(len(prompts))],
+                           "steps": [layout(i)[1] for i in range(len(prompts))], "steps_taken": one[0]["steps"]},
               "one": {"tok_s": single, "steps_s": statistics.median(r["steps_s"] for r in one),
                       "rounds_tok_s": [r["tok_s"] for r in one]},
               "concurrent": {"requests": args.concurrency, "tok_s": batched,
                              "rounds_tok_s": [r["tok_s"] for r in many]},
-              "x_one": batched / single}
+              "x_one": batched / single,
+              "x_one_rounds": [m["tok_s"] / o["tok_s"] for o, m in zip(one, many)]}
     # every request's output is the same alone and batched (the worker's rows are row-invariant)
-    solo = one[0]["outputs"][0]
-    report["concurrent"]["first_matches_alone"] = all(r["outputs"][0] == solo for r in many)
+    solo = one[0]["outputs"]
+    report["concurrent"]["outputs_match_alone"] = all(r["outputs"] == solo for r in many + one)
     if peer:
-        total_s = statistics.median(r["total_ms"] for r in peer) / 1e3
-        report["peer"] = {"cli": str(cli), "threads": args.threads, "tok_s": gen0 / total_s,
-                          "steps_s": steps0 / total_s, "ms_per_step": statistics.median(r["ms_per_step"] for r in peer),
-                          "rounds_total_ms": [r["total_ms"] for r in peer],
-                          "rounds_process_s": [r["process_s"] for r in peer]}
+        total_s = statistics.median(r["total_s"] for r in peer)
+        # steps: the schedule's steps that commit, as ours counts them (llama.cpp also runs one
+        # forward more in a block whose masks ran out before its steps did, then leaves it)
+        report["peer"] = {"cli": str(cli), "threads": args.threads, "tok_s": tokens / total_s,
+                          "steps_s": steps_taken / total_s, "rounds_total_s": [r["total_s"] for r in peer]}
         report["one_vs_peer"] = {"tok_s": single / report["peer"]["tok_s"],
-                                 "steps_s": report["one"]["steps_s"] / report["peer"]["steps_s"]}
-        ours_text = tok.decode(solo)
-        report["peer"]["outputs_match"] = all(r["output_text"] == ours_text for r in peer) if args.top_k == 1 else None
+                                 "steps_s": report["one"]["steps_s"] / report["peer"]["steps_s"],
+                                 "rounds": [(sum(o["steps"]) / o["wall_s"]) / (steps_taken / r["total_s"])
+                                            for o, r in zip(one, peer)]}
+        ours_text = [tok.decode(o) for o in solo]
+        report["peer"]["outputs_match"] = (all(r["outputs"] == ours_text for r in peer) if args.top_k == 1
+                                           else None)
     else:
         report["peer"] = {"skipped": peer_note}
     if args.json:
@@ -256,14 +275,15 @@ def main() -> int:
     else:
         s = report["settings"]
         print(f"# {report['machine']} ({report['date']}), {report['model']}, {s}")
-        print(f"one request:  {single:9.1f} tok/s, {report['one']['steps_s']:.1f} steps/s")
+        print(f"one request:  {single:9.1f} tok/s, {report['one']['steps_s']:.1f} steps/s "
+              f"({len(prompts)} requests one at a time)")
         if peer:
             pr = report["peer"]
             print(f"llama.cpp:    {pr['tok_s']:9.1f} tok/s, {pr['steps_s']:.1f} steps/s  -> ours "
                   f"{report['one_vs_peer']['tok_s']:.2f}x (target >= 1.0x)"
                   + ("" if pr["outputs_match"] is None else f", outputs match: {pr['outputs_match']}"))
         print(f"{args.concurrency} concurrent: {batched:9.1f} tok/s in all = {report['x_one']:.2f}x one "
-              f"(target >= 3x)")
+              f"(target >= 3x), outputs as alone: {report['concurrent']['outputs_match_alone']}")
     return 0
 
 
