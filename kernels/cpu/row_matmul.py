@@ -77,11 +77,12 @@ if available():
         return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
 
     def _tile_kernel(n_rows: int):
-        """An intrinsic computing out[r0 + r, t * TILE + j] for r < n_rows and the tile's 32 outputs."""
+        """An intrinsic computing out[r0 + r, t * TILE + j] for r < n_rows and the tile's 32 outputs
+        (those below column `valid`)."""
 
         def codegen(context, builder, signature, args):
             at = signature.args
-            tiles_a, x_a, out_a, t_v, r0_v = args
+            tiles_a, x_a, out_a, t_v, r0_v, valid_v = args
             i64, f32 = ir.IntType(64), ir.FloatType()
             fma = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_F32x16, [_F32x16] * 3), "llvm.fma.v16f32")
@@ -90,7 +91,7 @@ if available():
                 "llvm.masked.store.v16f32.p0v16f32")
             x_shape = cgutils.unpack_tuple(builder, context.make_array(at[1])(context, builder, x_a).shape)
             out_shape = cgutils.unpack_tuple(builder, context.make_array(at[2])(context, builder, out_a).shape)
-            k_in, n_out = x_shape[1], out_shape[1]
+            k_in, n_out = x_shape[1], out_shape[1]         # n_out: out's row stride
             tiles_p = _ptr(context, builder, at[0], tiles_a, _F32x16)
             x_p = _ptr(context, builder, at[1], x_a, f32)
             out_p = _ptr(context, builder, at[2], out_a, f32)
@@ -107,11 +108,11 @@ if available():
                     for h in range(2):
                         a = acc[2 * r + h]
                         builder.store(builder.call(fma, [w[h], xs, builder.load(a)]), a)
-            # out is [rows, n_out] exactly: the last tile's lanes past n_out are not stored
+            # columns from `valid` on (out's padding, the last tile's zero columns) are not stored
             lanes = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
             for h in range(2):
                 col = builder.add(builder.mul(t_v, i64(TILE)), i64(16 * h))
-                left = builder.sub(n_out, col)
+                left = builder.sub(valid_v, col)
                 whole = builder.icmp_signed(">=", left, i64(16))
                 mask = builder.icmp_signed("<", lanes, _splat(builder, left, ir.VectorType(i64, 16)))
                 for r in range(n_rows):
@@ -126,8 +127,8 @@ if available():
             return context.get_dummy_value()
 
         @intrinsic
-        def tile_rows(typingctx, tiles, x, out, t, r0):
-            return types.void(tiles, x, out, t, r0), codegen
+        def tile_rows(typingctx, tiles, x, out, t, r0, valid):
+            return types.void(tiles, x, out, t, r0, valid), codegen
         return tile_rows
 
     _tile_rows_block = _tile_kernel(ROWS)
@@ -144,9 +145,9 @@ if available():
             end = min(start + ROW_CHUNK, rows)
             full = start + (end - start) // ROWS * ROWS
             for r0 in range(start, full, ROWS):
-                _tile_rows_block(tiles, x, out, t, r0)
+                _tile_rows_block(tiles, x, out, t, r0, out.shape[1])
             for r0 in range(full, end):
-                _tile_rows1(tiles, x, out, t, r0)
+                _tile_rows1(tiles, x, out, t, r0, out.shape[1])
 
 
 def matmul(x: np.ndarray, w: RowMatrix) -> np.ndarray:
