@@ -141,9 +141,9 @@ def run_peer(cli: Path, model: str, text: str, ubatch: int, steps: int, args) ->
            "--top-p", "1.0", "--temp", "0", "-s", "0", "-t", str(args.threads), "-tb", str(args.threads),
            "--no-log-prefix", "--no-log-timestamps"]
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=600)
+    out = subprocess.run(cmd, capture_output=True, timeout=600)      # bytes: no newline translation
     process_s = time.perf_counter() - t0
-    log = out.stderr + out.stdout        # llama.cpp's LOG_INF goes to stderr
+    log = (out.stderr + out.stdout).decode("utf-8", "replace")       # llama.cpp's LOG_INF goes to stderr
     m = PEER_TIME.search(log)
     if out.returncode != 0 or m is None:
         raise RuntimeError(f"{cli.name} failed ({out.returncode}): {log[-2000:]}")
