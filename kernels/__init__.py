@@ -122,6 +122,15 @@ class Backend(Protocol):
         quantized encoding directly."""
     def matmul(self, x: Array, w: Any) -> Array:
         """x [n, in] times the prepared weight -> [n, out]."""
+    def rowwise_weight(self, w: Any) -> Any | None:
+        """Optional (models ask with getattr): the prepared weight as one whose `matmul` gives each
+        row exactly the result it gets alone, whatever rows share the call, or None where the
+        backend has no such product (text-diffusion canvases packed into one forward)."""
+    def head_stats(self, x: Array, w: Any, need_sum: bool, need_second: bool, need_entropy: bool
+                   ) -> tuple[np.ndarray, ...] | None:
+        """Optional (asked with getattr): per row of the logits x @ w, (argmax, max, exp(runner-up -
+        max), sum(exp(l - max)), sum(exp(l - max) * (l - max))) without materializing them, each row
+        as alone; None where the backend cannot for w (text-diffusion samplers at temperature 0)."""
     def prepare_embedding(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Any:
         """Take a (possibly quantized) [vocab, d_model] table as stored in the GGUF."""
     def embedding(self, table: Any, ids: np.ndarray) -> Array:
@@ -138,9 +147,11 @@ class Backend(Protocol):
     def paged_attention(self, q: Array, k_cache: Array, v_cache: Array, meta: AttentionMetadata,
                         scale: float, window: int = 0) -> Array:
         """q [n, heads, d] -> [n, heads, d]; keys k with p - window < k <= p when window > 0."""
-    def dense_attention(self, q: Array, k: Array, v: Array, seq_lens: np.ndarray, scale: float) -> Array:
+    def dense_attention(self, q: Array, k: Array, v: Array, seq_lens: np.ndarray, scale: float,
+                        rows: np.ndarray | None = None) -> Array:
         """Non-causal attention of each packed sequence over its own rows' K/V [n, kv_heads, d]
-        (text-diffusion canvases: recomputed every step, never stored in the pool)."""
+        (text-diffusion canvases: recomputed every step, never stored in the pool); `rows`
+        (non-decreasing): only those query rows' outputs."""
     def swiglu(self, gate: Array, up: Array) -> Array: ...
     def gelu_tanh_gate(self, gate: Array, up: Array) -> Array: ...
     def log_softmax(self, x: Array) -> Array: ...

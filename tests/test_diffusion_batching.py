@@ -1,7 +1,7 @@
 """Diffusion batching (scheduler/diffusion/): concurrent requests of different prompts, lengths,
 seeds and algorithms, joining at different steps, share each forward and still get exactly what
-each gets alone; a canvas's logits are bit-identical packed or alone (the worker's products run
-canvas by canvas: OpenBLAS's AVX2 sgemm is not row-invariant)."""
+each gets alone; a canvas's logits are bit-identical packed or alone (the worker's products are
+row-invariant, kernels/cpu/row_matmul.py, where OpenBLAS's AVX2 sgemm is not)."""
 from __future__ import annotations
 
 import json

@@ -53,11 +53,30 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, met
     return out
 
 
-def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_lens: np.ndarray, scale: float) -> np.ndarray:
+def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_lens: np.ndarray, scale: float,
+                    rows: np.ndarray | None = None) -> np.ndarray:
     """Non-causal attention of each packed sequence over its own rows, in float32 from K/V that
     never enter the pool (a diffusion canvas is recomputed whole every step; llama.cpp's LLaDA and
     Dream graphs keep their K/V in float32 too). Sequence by sequence, so a canvas's result is the
-    same whatever canvases are packed with it."""
+    same whatever canvases are packed with it: one compiled call over every (sequence, head) on
+    numba's threads (the diffusion pass's products run there too), else numpy. `rows` (non-decreasing):
+    only those query rows' outputs, [len(rows), heads, d] (a diffusion pass's last layer)."""
+    if elementwise.available():
+        lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
+        starts = np.cumsum(lens) - lens
+        if rows is None:
+            queries = np.arange(int(lens.sum()), dtype=np.int64)
+            first = starts
+        else:
+            queries = np.ascontiguousarray(rows, dtype=np.int64)
+            first = np.searchsorted(queries, starts)
+        out = np.empty((len(queries),) + q.shape[1:], np.float32)
+        _dense_kernel(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k, dtype=np.float32),
+                      np.ascontiguousarray(v, dtype=np.float32), starts, lens, queries,
+                      np.append(first, len(queries)).astype(np.int64), np.float32(scale), out)
+        return out
+    if rows is not None:
+        return dense_attention(q, k, v, seq_lens, scale)[rows]
     n_heads, dim = q.shape[1], q.shape[2]
     n_kv = k.shape[1]
     group = n_heads // n_kv
@@ -192,3 +211,56 @@ def _multi_token(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, table:
         acc /= total
         out[:, :, a:b] = acc.reshape(n_kv, group, t, dim)
     return out.transpose(2, 0, 1, 3).reshape(n_q, n_heads, dim)
+
+
+def _dense_rows(q, k, v, starts, lens, queries, first, scale, out):  # pragma: no cover - compiled by numba
+    """out[r, h] = softmax(scale * q[i, h] . K^T) V for the query rows i = queries[r] (those of
+    sequence s are queries[first[s]:first[s + 1]]) over the rows of i's own sequence, for every
+    (sequence, head) in parallel: K and V transposed per sequence and KV head, so that a query's
+    scores are a loop across keys and each output a dot product across them, both vectorized."""
+    n_heads, dim = q.shape[1], q.shape[2]
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    for item in prange(len(lens) * n_heads):
+        s_i = item // n_heads
+        h = item % n_heads
+        kvh = h // group
+        start, n = starts[s_i], lens[s_i]
+        if first[s_i + 1] == first[s_i]:
+            continue
+        kt = np.empty((dim, n), np.float32)
+        vt = np.empty((dim, n), np.float32)
+        for j in range(n):
+            for d in range(dim):
+                kt[d, j] = k[start + j, kvh, d]
+                vt[d, j] = v[start + j, kvh, d]
+        scores = np.empty(n, np.float32)
+        bits = np.empty(n, np.int32)
+        for r in range(first[s_i], first[s_i + 1]):      # no array views in here: each takes a reference
+            i = queries[r]
+            for j in range(n):
+                scores[j] = np.float32(0.0)
+            for d in range(dim):
+                qd = q[i, h, d] * scale
+                for j in range(n):
+                    scores[j] += qd * kt[d, j]
+            inv = np.float32(1.0) / elementwise.softmax_numerators(scores, bits)
+            for d in range(dim):
+                acc = np.float32(0.0)
+                for j in range(n):
+                    acc += scores[j] * vt[d, j]
+                out[r, h, d] = acc * inv
+
+
+if elementwise.available():
+    from numba import njit, prange
+    _dense_kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_dense_rows)
+else:  # pragma: no cover
+    prange = range
+
+
+def warm_up_dense() -> None:
+    """Compile (or load from numba's cache) the compiled dense attention."""
+    if elementwise.available():
+        x = np.ones((2, 2, 4), np.float32)
+        dense_attention(x, x[:, :1], x[:, :1], np.array([2]), 0.5)

@@ -12,10 +12,11 @@ import numpy as np
 
 from kernels import AttentionMetadata, switches
 from kernels.cpu import (attention, decode_attention, elementwise, get_rows, graph_capture, graph_replay, int8_matmul,
-                         kv_codecs, quantized)
+                         kv_codecs, logit_stats, quantized, row_matmul)
 from kernels.cpu.arena import HugePageArena, resident_zeros
 from kernels.cpu.int8_matmul import Int8Matrix
 from kernels.cpu.quantized import QuantizedMatrix
+from kernels.cpu.row_matmul import RowMatrix
 from shared.dequant import dequantize_rows
 
 
@@ -51,10 +52,12 @@ class QuantizedRows:
 class Linear:
     """A weight matrix prepared for `matmul`: its 8-bit codes for the VNNI kernel, which then takes
     every product; else float32 [in, out] for sgemm plus its integer codes for few-row products
-    (8-bit codes with AVX2, whose byte products are no faster than sgemm on a prompt's rows)."""
+    (8-bit codes with AVX2, whose byte products are no faster than sgemm on a prompt's rows); or,
+    from `rowwise_weight`, float32 tiles whose products compute each row alone (text diffusion)."""
     dense: np.ndarray | None
     codes: QuantizedMatrix | None
     int8: Int8Matrix | None = None
+    rows: RowMatrix | None = None
 
 
 class CPUBackend:
@@ -76,6 +79,7 @@ class CPUBackend:
         self.graph_replay = switches.enabled(switches.GRAPH_REPLAY) and graph_replay.available()
         self._replays: dict[tuple[int, int, int, bool], graph_replay.Replay | None] = {}
         self._arena = HugePageArena()
+        self._rowwise_ready = False
 
     def warm_up(self) -> None:
         """Compile the numba kernels now (a few seconds the first time, then from numba's cache)."""
@@ -218,7 +222,35 @@ class CPUBackend:
         codes = quantized.quantize_parts(encoded, w) if encoded and self.quantized_matmul else None
         return Linear(np.ascontiguousarray(w.T, dtype=np.float32), codes)
 
+    def rowwise_weight(self, w: Linear) -> Linear | None:
+        """The weight as one whose products give each row the result it gets alone, whatever rows
+        share the call (several diffusion canvases in one product), or None where there is no such
+        product here. The 8-bit products are so already; a float32 matrix becomes tiles for
+        kernels/cpu/row_matmul.py (its sgemm copy and few-row codes are dropped: every product of
+        the matrix then takes the tiles)."""
+        if w.rows is not None or (w.int8 is not None and w.dense is None):
+            return w
+        if w.dense is None or not row_matmul.available():
+            return None
+        if not self._rowwise_ready:      # a text-diffusion model: compile (or load) its kernels now
+            row_matmul.warm_up()
+            logit_stats.warm_up()
+            attention.warm_up_dense()
+            self._rowwise_ready = True
+        return Linear(None, None, None, row_matmul.from_dense(w.dense))
+
+    def head_stats(self, x: np.ndarray, w: Linear, need_sum: bool, need_second: bool, need_entropy: bool
+                   ) -> tuple[np.ndarray, ...] | None:
+        """The statistics a text-diffusion sampler reads off each row of the logits x @ w
+        (kernels/cpu/logit_stats.py: argmax, max, exp(runner-up - max), sum of exps, entropy moment),
+        computed without writing the logits out, each row as alone; None where w is not row tiles."""
+        if w.rows is None or not logit_stats.available():
+            return None
+        return logit_stats.head_stats(x, w.rows, need_sum, need_second, need_entropy)
+
     def matmul(self, x: np.ndarray, w: Linear) -> np.ndarray:
+        if w.rows is not None:
+            return row_matmul.matmul(x, w.rows)
         if w.int8 is not None and (w.dense is None or self._compiled(x.shape[0])):
             return int8_matmul.matmul(x, w.int8)
         if w.codes is not None and self._compiled(x.shape[0]):
@@ -369,8 +401,8 @@ class CPUBackend:
                                          compiled=self._compiled(q.shape[0]), rowwise=self._rowwise(q.shape[0]))
 
     def dense_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_lens: np.ndarray,
-                        scale: float) -> np.ndarray:
-        return attention.dense_attention(q, k, v, seq_lens, scale)
+                        scale: float, rows: np.ndarray | None = None) -> np.ndarray:
+        return attention.dense_attention(q, k, v, seq_lens, scale, rows)
 
     def _rowwise(self, rows: int) -> bool:
         """Passes whose products code each row in 8 bits alone: each row attends alone, with

@@ -9,6 +9,14 @@ vocabulary when neither is set). Randomness comes from the request's seed throug
 Twisters seeded as llama.cpp seeds `std::mt19937`: one for the chain's `dist` sampler, one for the
 algorithms (random confidences, origin's coin flips), each drawing floats as libstdc++'s
 `generate_canonical` does.
+
+At temperature 0 without top-p, and with top-k off or 1, a position's draw depends only on a few
+statistics of its logits (`stats_needed`: its argmax always; the sum of exp(l - max) for a
+probability; the runner-up for a margin; sum(exp(l - max) * (l - max)) for an entropy, which is
+then log(S) - that / S, the eps of llama.cpp's p * log(p + eps) left out: at most vocab * eps).
+The worker computes just those for the masked rows of every canvas of a step in one compiled pass
+(kernels/cpu/logit_stats.py) and hands samplers `PositionDraws` (`draws_from_stats`) instead of
+logits: `DiffusionSampler.commit_draws`.
 """
 from __future__ import annotations
 
@@ -121,6 +129,41 @@ def draw_positions(logits: np.ndarray, params: DiffusionParams, rng: DiffusionRa
                          np.array(cols[2], np.float32), np.array(cols[3], np.float32))
 
 
+def from_stats_only(params: DiffusionParams) -> bool:
+    """Whether a position's draw is a function of its logits' statistics alone (no sampling chain
+    beyond the argmax): temperature 0, top-p off, top-k off or 1."""
+    return params.temperature <= 0.0 and params.top_p >= 1.0 and params.top_k in (0, 1)
+
+
+def stats_needed(params: DiffusionParams) -> tuple[bool, bool, bool]:
+    """(sum of exps, runner-up, entropy moment) the algorithm ranks by, for `from_stats_only`
+    params: top-k 1 leaves one candidate of probability 1 (entropy 0, margin 1), and random and
+    origin read only the tokens."""
+    if params.top_k == 1 or params.algorithm in ("random", "origin"):
+        return False, False, False
+    return True, params.algorithm == "margin", params.algorithm in ("entropy", "entropy_bound")
+
+
+def draws_from_stats(argmax: np.ndarray, top: np.ndarray, second_exp: np.ndarray, sums: np.ndarray,
+                     moments: np.ndarray, params: DiffusionParams) -> PositionDraws:
+    """The draws of `from_stats_only` params from kernels/cpu/logit_stats.py's row statistics (what
+    `stats_needed` did not ask for is 0)."""
+    m = len(argmax)
+    need_sum, need_second, need_entropy = stats_needed(params)
+    zeros = np.zeros(m, np.float32)
+    if params.top_k == 1:      # one candidate: probability 1, entropy -1 * log(1 + eps) = 0, margin p = 1
+        ones = np.ones(m, np.float32)
+        return PositionDraws(argmax.astype(np.int64), ones, zeros, ones)
+    probability = (1.0 / sums).astype(np.float32) if need_sum else zeros     # the argmax's exp is 1
+    margin = zeros
+    if need_second:
+        margin = probability - (second_exp.astype(np.float64) / sums).astype(np.float32)
+    entropy = zeros
+    if need_entropy:
+        entropy = (np.log(sums) - moments / sums).astype(np.float32)
+    return PositionDraws(argmax.astype(np.int64), probability, entropy, margin.astype(np.float32))
+
+
 def best_first(scores: np.ndarray) -> np.ndarray:
     """Indices by score, highest first; ties: the lower index (position) first."""
     return np.lexsort((np.arange(len(scores)), -scores.astype(np.float64)))
@@ -128,9 +171,14 @@ def best_first(scores: np.ndarray) -> np.ndarray:
 
 class DiffusionSampler:
     """One algorithm family. `commit` gets the logits of the masked positions of a canvas's current
-    block ([m, vocab], in position order) and returns (indices into them, tokens) to commit."""
+    block ([m, vocab], in position order) and returns (indices into them, tokens) to commit;
+    `commit_draws` the same from their draws (`from_stats_only` params)."""
     names: tuple[str, ...] = ()
 
     def commit(self, logits: np.ndarray, transfer_count: int, params: DiffusionParams,
                rng: DiffusionRandom) -> tuple[np.ndarray, np.ndarray]:
+        return self.commit_draws(draw_positions(logits, params, rng), transfer_count, params, rng)
+
+    def commit_draws(self, draws: PositionDraws, transfer_count: int, params: DiffusionParams,
+                     rng: DiffusionRandom) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError

@@ -6,15 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from shared.diffusion_params import DiffusionParams
-from worker.diffusion.base import DiffusionRandom, DiffusionSampler, best_first, draw_positions
+from worker.diffusion.base import DiffusionRandom, DiffusionSampler, PositionDraws, best_first
 
 
 class EntropyBoundSampler(DiffusionSampler):
     names = ("entropy_bound",)
 
-    def commit(self, logits: np.ndarray, transfer_count: int, params: DiffusionParams,
-               rng: DiffusionRandom) -> tuple[np.ndarray, np.ndarray]:
-        draws = draw_positions(logits, params, rng)
+    def commit_draws(self, draws: PositionDraws, transfer_count: int, params: DiffusionParams,
+                     rng: DiffusionRandom) -> tuple[np.ndarray, np.ndarray]:
         if not len(draws.tokens):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         order = best_first(-draws.entropy)                       # lowest entropy first

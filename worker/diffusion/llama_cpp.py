@@ -9,15 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 from shared.diffusion_params import DiffusionParams
-from worker.diffusion.base import DiffusionRandom, DiffusionSampler, best_first, draw_one, draw_positions
+from worker.diffusion.base import DiffusionRandom, DiffusionSampler, PositionDraws, best_first, draw_one
 
 
 class RankedSampler(DiffusionSampler):
     names = ("confidence", "entropy", "margin", "random")
 
-    def commit(self, logits: np.ndarray, transfer_count: int, params: DiffusionParams,
-               rng: DiffusionRandom) -> tuple[np.ndarray, np.ndarray]:
-        draws = draw_positions(logits, params, rng)
+    def commit_draws(self, draws: PositionDraws, transfer_count: int, params: DiffusionParams,
+                     rng: DiffusionRandom) -> tuple[np.ndarray, np.ndarray]:
         if params.algorithm == "confidence":
             scores = draws.probability
         elif params.algorithm == "entropy":
@@ -35,11 +34,17 @@ class OriginSampler(DiffusionSampler):
 
     def commit(self, logits: np.ndarray, transfer_count: int, params: DiffusionParams,
                rng: DiffusionRandom) -> tuple[np.ndarray, np.ndarray]:
-        m = logits.shape[0]
-        p_transfer = np.float32(transfer_count) / np.float32(m) if m else np.float32(0)
-        chosen, tokens = [], []
-        for i in range(m):
-            if rng.algorithm.uniform_float() < p_transfer:
-                chosen.append(i)
-                tokens.append(draw_one(logits[i], params, rng)[0])
+        chosen = self._coins(logits.shape[0], transfer_count, rng)
+        tokens = [draw_one(logits[i], params, rng)[0] for i in chosen]     # drawn only where committed
         return np.array(chosen, np.int64), np.array(tokens, np.int64)
+
+    def commit_draws(self, draws: PositionDraws, transfer_count: int, params: DiffusionParams,
+                     rng: DiffusionRandom) -> tuple[np.ndarray, np.ndarray]:
+        # from_stats_only params: a draw is the argmax and takes nothing from the dist generator
+        chosen = np.array(self._coins(len(draws.tokens), transfer_count, rng), np.int64)
+        return chosen, draws.tokens[chosen]
+
+    @staticmethod
+    def _coins(m: int, transfer_count: int, rng: DiffusionRandom) -> list[int]:
+        p_transfer = np.float32(transfer_count) / np.float32(m) if m else np.float32(0)
+        return [i for i in range(m) if rng.algorithm.uniform_float() < p_transfer]
