@@ -2,7 +2,8 @@
 request into one step request (one forward in the worker, each canvas a non-causal chunk), and
 applies what the worker commits. A request joins at the next step after it is added (its first
 block's boundary) and leaves when its last block is final; a request's output does not depend on
-the others (the worker's products run canvas by canvas, its randomness is per sequence).
+the others (the worker's products give each row the same bits whatever rows share the call,
+kernels/cpu/row_matmul.py, and its randomness is per sequence).
 
 Observing a request: `DiffusionRequest.on_step` after each of its steps (its whole canvas), and
 `on_block` when one of its blocks is final; `step()` also returns the requests that finished.
