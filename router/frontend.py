@@ -13,6 +13,7 @@ the same way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -308,7 +309,7 @@ class Frontend:
                             yield PromptEvent(list(p.prompt_ids), text, lps)
                     if ev.HasField("canvas"):
                         ids = list(ev.canvas.token_ids)
-                        yield CanvasEvent(ids, canvas_text(self, ids), int(ev.canvas.step))
+                        yield CanvasEvent(ids, int(ev.canvas.step), functools.partial(canvas_text, self))
                     if ev.tokens:
                         now = time.perf_counter()
                         if metrics is not None:

@@ -2,7 +2,9 @@
 its gRPC code), the events a generation streams, a prepared request, and stop-string matching."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -91,10 +93,15 @@ class DeltaEvent:
 @dataclass
 class CanvasEvent:
     """Text diffusion: the whole canvas after the prompt after a denoising step (masked positions
-    shown as the mask token's text); it replaces the canvas sent before."""
+    shown as the mask token's text); it replaces the canvas sent before. The text is rendered on
+    first read: a non-streamed request never reads it."""
     token_ids: list[int]
-    text: str
     step: int
+    render: Callable[[list[int]], str]
+
+    @functools.cached_property
+    def text(self) -> str:
+        return self.render(self.token_ids)
 
 
 @dataclass
