@@ -10,6 +10,10 @@ Workloads:
                  output tok/s (all output tokens / wall time of the level), TTFT
                  p50/p99, ITL p50/p99 (gaps between streamed content chunks, pooled
                  over the level), failures, mean prompt tokens.
+  long_prompt    8 streams decode (--long-streams), then one fresh ~8000-token prompt arrives
+                 (--long-words): its time to first token, and the ITL p50/p99 of the
+                 streams while it is prefilled (loadtest/long_prompt.py); the streams are
+                 cancelled once it has its first token. Not in the default workloads.
   shared_prefix  one fresh ~1000-token system prompt plus short distinct questions,
                  5 requests one after another: ttft_cold_s (the first) against
                  ttft_warm_s (median of the other four) shows what prefix caching
@@ -54,6 +58,9 @@ from typing import Iterator
 
 import httpx
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import long_prompt  # noqa: E402  (beside this file)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
@@ -138,11 +145,12 @@ class Result:
 
 
 async def send(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
-               sampling: dict | None = None) -> Result:
-    """One streamed completion, greedy unless `sampling` (body fields: temperature, seed, ...) says."""
+               sampling: dict | None = None, into: Result | None = None) -> Result:
+    """One streamed completion, greedy unless `sampling` (body fields: temperature, seed, ...) says;
+    `into`: the Result to fill as chunks arrive (read by others while it streams)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, **(sampling or {})}
-    r = Result(sent=time.perf_counter())
+    r = into or Result(sent=time.perf_counter())
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -277,6 +285,10 @@ async def bench(args, base: str) -> dict:
         if "shared_prefix" in args.workloads:
             print("shared_prefix: 5 sequential requests ...", file=sys.stderr, flush=True)
             report["shared_prefix"] = await run_shared_prefix(client, model, rng, args)
+        if "long_prompt" in args.workloads:
+            print(f"long_prompt: {args.long_streams} streams, then a {args.long_words}-word prompt ...",
+                  file=sys.stderr, flush=True)
+            report["long_prompt"] = await long_prompt.run(client, model, rng, args)
         return report
 
 
@@ -305,6 +317,8 @@ def print_table(r: dict) -> None:
                   f"{ms(s['itl_p50_s']):>8} {ms(s['itl_p99_s']):>8} {'-' if pt is None else f'{pt:.0f}':>7}")
             for e in s["errors"]:
                 print(f"      error: {e}")
+    if "long_prompt" in r:
+        print(long_prompt.describe(r["long_prompt"]))
     if "shared_prefix" in r:
         s = r["shared_prefix"]
         ratio = "-" if s["warm_over_cold"] is None else f"{s['warm_over_cold']:.2f}"
@@ -327,13 +341,15 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=127)
     ap.add_argument("--prefix-words", type=int, default=975)
     ap.add_argument("--prefix-max-tokens", type=int, default=16)
+    ap.add_argument("--long-words", type=int, default=7800, help="words of long_prompt's prompt (~tokens)")
+    ap.add_argument("--long-streams", type=int, default=8, help="streams decoding while it is prefilled")
     ap.add_argument("--seed", type=int, help="prompt seed; default from the clock, so prompts are fresh each run")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
     args.workloads = set(args.workloads.split(","))
-    if not args.workloads <= {"random", "shared_prefix"}:
-        ap.error("--workloads takes random and/or shared_prefix")
+    if not args.workloads <= {"random", "shared_prefix", "long_prompt"}:
+        ap.error("--workloads takes random, shared_prefix and/or long_prompt")
     if args.seed is None:
         args.seed = time.time_ns() % 2**32
 
