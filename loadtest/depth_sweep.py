@@ -8,7 +8,9 @@ Per model and depth N (each model up to 128 tokens short of its context):
   faster counted), one repetition a round;
 * rounds alternate ours and the peer; each figure is the median of --rounds (3);
 * the KV bytes one decode step reads at depth N: every layer's attended positions (a windowed layer
-  at most its window) in the pool's own codec, K and V.
+  at most its window) in the pool's own codec, K and V; and the decode's fraction of the memory
+  bound: tok/s x (weight bytes + KV bytes a step reads) / the read bandwidth measured once per model
+  (bench_forward.measure_bandwidth_gbs).
 
 `--llama-bench PATH` or `$LLAMA_BENCH` names the peer (built by loadtest/build_llama_bench.sh);
 without one the peer columns are skipped with a message.
@@ -98,10 +100,13 @@ def sweep(models: list[str], depths: list[int], kv_memory: int, kv_codec: str, r
     if not llama_bench:
         print("no llama-bench (--llama-bench PATH or $LLAMA_BENCH; build it with loadtest/build_llama_bench.sh): "
               "peer columns skipped", file=sys.stderr)
+    from bench_forward import measure_bandwidth_gbs, weight_bytes_per_token
     out = {}
     for name in models:
         engine = LocalEngine(name, load_tokenizer=False, kv_memory=kv_memory, max_num_batched_tokens=CHUNK,
                              max_num_seqs=1, kv_cache_dtype=kv_codec)
+        weight_bytes = weight_bytes_per_token(engine.runner.model)[0]
+        bandwidth = measure_bandwidth_gbs() * 1e9
         gguf = resolve_model(name)
         limit = engine.runner.capacity.max_context - MARGIN
         rng = np.random.default_rng(0)
@@ -121,7 +126,9 @@ def sweep(models: list[str], depths: list[int], kv_memory: int, kv_codec: str, r
                         theirs.append(r)
             row = {"depth": depth, "prefill_tok_s": statistics.median(p for p, _ in mine),
                    "decode_tok_s": statistics.median(d for _, d in mine),
-                   "kv_bytes_per_step": kv_bytes_per_step(engine.config, depth, kv_codec)}
+                   "kv_bytes_per_step": kv_bytes_per_step(engine.config, depth, kv_codec),
+                   "weight_bytes_per_step": weight_bytes, "bandwidth_gbs": bandwidth / 1e9}
+            row["of_bound"] = row["decode_tok_s"] * (weight_bytes + row["kv_bytes_per_step"]) / bandwidth
             if theirs:
                 row["peer_prefill_tok_s"] = statistics.median(p for p, _ in theirs)
                 row["peer_decode_tok_s"] = statistics.median(d for _, d in theirs)
@@ -136,13 +143,13 @@ def sweep(models: list[str], depths: list[int], kv_memory: int, kv_codec: str, r
 def print_table(results: dict) -> None:
     for name, rows in results.items():
         print(f"\n{name}")
-        print(f"{'depth':>6} {'prefill tok/s':>22} {'decode tok/s':>20} {'KV MiB/step':>12}")
+        print(f"{'depth':>6} {'prefill tok/s':>22} {'decode tok/s':>20} {'KV MiB/step':>12} {'of bound':>9}")
         for r in rows:
             pp = f"{r['prefill_tok_s']:.0f}" + (f" / {r['peer_prefill_tok_s']:.0f} = {r['prefill_x']:.2f}x"
                                                 if "prefill_x" in r else "")
             dd = f"{r['decode_tok_s']:.1f}" + (f" / {r['peer_decode_tok_s']:.1f} = {r['decode_x']:.2f}x"
                                                if "decode_x" in r else "")
-            print(f"{r['depth']:>6} {pp:>22} {dd:>20} {r['kv_bytes_per_step'] / 2**20:>12.2f}")
+            print(f"{r['depth']:>6} {pp:>22} {dd:>20} {r['kv_bytes_per_step'] / 2**20:>12.2f} {r['of_bound']:>9.2f}")
 
 
 def default_llama_bench() -> str | None:

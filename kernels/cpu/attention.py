@@ -20,7 +20,7 @@ import functools
 import numpy as np
 
 from kernels import AttentionMetadata
-from kernels.cpu import decode_attention, elementwise, flash_attention, kv_codecs
+from kernels.cpu import decode_attention, elementwise, kv_codecs
 
 QUERY_TILE = 128
 
@@ -35,7 +35,10 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, met
     with the rounding of ggml's CPU backend and its f16 KV cache: queries and the softmax in
     float16."""
     if rowwise and meta.causal and decode_attention.available():
-        return _rowwise(decode_attention.half_queries(q), k_cache, v_cache, meta, scale, window, compiled)
+        tables, ctx = meta.row_tables
+        return decode_attention.decode_attention(decode_attention.half_queries(q), k_cache, v_cache,
+                                                 tables, ctx, scale, window, parallel=compiled,
+                                                 half_probabilities=True)
     starts = meta.row_starts
     rows, tables, ctx = meta.decode_tables
     if len(rows) == q.shape[0]:                # a pure decode pass: no row gather or scatter
@@ -48,19 +51,6 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, met
         out[s:s + n] = _multi_token(q[s:s + n], k_cache, v_cache, meta.block_tables[i],
                                     int(meta.context_lens[i]), scale, window, meta.causal)
     return out
-
-
-def _rowwise(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, meta: AttentionMetadata, scale: float,
-             window: int, compiled: bool) -> np.ndarray:
-    """Each causal row alone: through the tiled online-softmax kernel where it covers the cache
-    (the rows of one sequence's chunk share its key tiles), else the two-pass decode kernel; the
-    replayed decode passes choose as this does."""
-    tables, ctx = meta.row_tables
-    if not flash_attention.covers(kv_codecs.codec_of(k_cache), q.shape[2]):
-        return decode_attention.decode_attention(q, k_cache, v_cache, tables, ctx, scale, window,
-                                                 parallel=compiled, half_probabilities=True)
-    sequence = meta.decode_seqs if meta.all_decode else np.repeat(np.arange(len(meta.query_lens)), meta.query_lens)
-    return flash_attention.attention(q, k_cache, v_cache, tables, ctx, scale, window, compiled, sequence)
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, seq_lens: np.ndarray, scale: float,

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import AttentionMetadata, switches
-from kernels.cpu import (attention, decode_attention, elementwise, flash_attention, get_rows, graph_capture,
-                         graph_replay, int8_matmul, kv_codecs, logit_stats, quantized, row_matmul)
+from kernels.cpu import (attention, decode_attention, elementwise, get_rows, graph_capture, graph_replay, int8_matmul,
+                         kv_codecs, logit_stats, quantized, row_matmul)
 from kernels.cpu.arena import HugePageArena, resident_zeros
 from kernels.cpu.int8_matmul import Int8Matrix
 from kernels.cpu.quantized import QuantizedMatrix
@@ -89,7 +89,6 @@ class CPUBackend:
         if self.quantized_matmul:
             quantized.warm_up()
             decode_attention.warm_up()
-            flash_attention.warm_up()
         if self.int8_matmul:
             int8_matmul.warm_up()
             if self.graph_replay:

@@ -1,6 +1,9 @@
 """Causal attention over the paged KV cache with an online softmax (flash-attention style).
 
-Where it covers a model's cache (`covers`: f16, heads of 128 values or more, as Gemma 3's 256)
+Not wired into the forward passes yet (issue #35): with it, Gemma 3's prompt attention ran ~1.5x
+as fast, but its replayed decode steps ran 10-30 % slower than with decode_attention's kernel, and
+a model must take one kernel for all its causal rows (mixing them broke tests/test_batching.py's
+1e-3 bar). Meant use: where it covers a model's cache (`covers`: f16, heads of 128 values or more, as Gemma 3's 256)
 every causal row — a decode row, a verification row, each row of a prompt chunk, in the
 kernel-by-kernel passes and the replayed ones alike — is computed by `attend_rows`: its keys are
 taken in key tiles of whole blocks (about KEY_TILE_BYTES decoded) aligned to absolute positions;

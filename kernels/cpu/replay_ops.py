@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import (addresses, decode_attention, elementwise, flash_attention, input_coding, int8_matmul,
-                         kv_codecs, row_argmax, spin_barrier)
+from kernels.cpu import (addresses, decode_attention, elementwise, input_coding, int8_matmul, kv_codecs, row_argmax,
+                         spin_barrier)
 from kernels.cpu.graph_capture import SHARED
 
 try:
@@ -43,8 +43,7 @@ if njit is not None and int8_matmul.available():
     # multiplied 43-48 GB/s of 4-bit codes alone, 40-41 paired (Q8_0's signed codes: 31-33 and 27)
     _PAIR_TILES = int8_matmul.VNNI
     _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
-    _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, flash_attention.attend_rows
-    _attend_two_pass, _F16, _FLASH_MIN_DIM = decode_attention.attend, kv_codecs.F16, flash_attention.MIN_HEAD_DIM
+    _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
     _encode_row, _values_in = kv_codecs.encode_row, kv_codecs.values_in
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
     _u8, _f32, _u8_4d = addresses.u8, addresses.f32, addresses.u8_4d
@@ -136,10 +135,6 @@ if njit is not None and int8_matmul.available():
         n_heads = out.shape[1]
         group = n_heads // n_kv
         task, end = rows * n_heads * th // n_threads, rows * n_heads * (th + 1) // n_threads
-        flash = codec == _F16 and dim >= _FLASH_MIN_DIM      # as flash_attention.covers chooses
-        if flash:               # shares end at a pair of heads' end (flash_attention.attend_rows pairs them)
-            task += task % n_heads % group % 2
-            end += end % n_heads % group % 2
         while task < end:
             b, h = task // n_heads, task % n_heads
             kv = h // group
@@ -154,15 +149,10 @@ if njit is not None and int8_matmul.available():
             g1 = g0 + run_end - task
             for g in range(g0, g1):
                 _round_to_half(q[b, kv * group + g])
-            # the backend's own per-row code: a row here gets the bits it gets in a kernel-by-kernel pass
-            # (the two-pass kernel's by_four as the kernels take it: under fastmath the vectorizer sums a
-            # four-key pass in another order than single keys on AVX2)
-            if flash:
-                _attend(q, k_cache, v_cache, codec, tables[b], b, b + 1, ctx[b] - 1, np.float32(params[i, 0]),
-                        ops[i, 6], out, kv, g0, g1)
-            else:
-                _attend_two_pass(q, k_cache, v_cache, codec, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6],
-                                 True, out, b, kv, g0, g1, True)
+            # by_four as the kernels take it: under fastmath the vectorizer sums a four-key pass in
+            # another order than single keys on AVX2 (bit-identical on AVX-512 only by its widths)
+            _attend(q, k_cache, v_cache, codec, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out,
+                    b, kv, g0, g1, True)
             task = run_end
 
     @njit(inline="always")
