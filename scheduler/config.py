@@ -38,7 +38,8 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
                                         "then run as with --speculative off), probing again later", Flag())
     num_speculative_tokens: int = option(5, "tokens drafted per sequence and step at most, with --speculative",
                                          Integer(1, 16), aliases=("--num-spec-tokens",))
-    prompt_lookup_min: int = option(1, "shortest n-gram the ngram proposer looks up (vLLM's prompt_lookup_min)",
+    prompt_lookup_min: int = option(2, "shortest n-gram the ngram proposer looks up (vLLM's prompt_lookup_min; "
+                                    "one repeated token drafts too often where the text is not copied)",
                                     Integer(1, 64))
     prompt_lookup_max: int = option(4, "longest n-gram the ngram proposer looks up, tried first (vLLM's "
                                     "prompt_lookup_max)", Integer(1, 64))

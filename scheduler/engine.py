@@ -321,6 +321,8 @@ class Engine:
             return None
         for s in seqs:
             self.blocks.grow(s.block_table, s.num_computed + 1)
+        if self.speculative is not None:               # drafting is paused here: see if it would pay
+            self.speculative.shadow(seqs, len(self.running))
         return [(s, 1) for s in seqs]
 
     def _fold(self, launched: _Launched) -> list[Sequence]:

@@ -33,7 +33,7 @@ class LocalEngine:
     def __init__(self, model: str | Path, kv_memory: int = DEFAULT_KV_MEMORY, block_size: int = 16,
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, load_tokenizer: bool = True,
                  enable_prefix_caching: bool = True, num_decode_steps: int = 1, kv_cache_dtype: str = "f16",
-                 speculative: str = "off", num_speculative_tokens: int = 5, prompt_lookup_min: int = 1,
+                 speculative: str = "off", num_speculative_tokens: int = 5, prompt_lookup_min: int = 2,
                  prompt_lookup_max: int = 4, speculative_governor: bool = True,
                  draft_model: str | Path | None = None, backend: str = "cpu", device: int = 0,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):

@@ -99,18 +99,46 @@ def test_paused_probes_again_after_backoff_seconds():
 
 
 def test_drafting_pauses_when_its_ewma_turns_worse_and_rechecks_plain_periodically():
-    g, _ = governor(margin=0.05, recheck_steps=50, backoff_steps=100)
+    g, _ = governor(margin=0.05, recheck_steps=1000, backoff_steps=100)
     feed(g, 1, 10, plain_s=0.010, draft_s=0.012, draft_tokens=3)
     assert g.state(1) == DRAFTING
     feed(g, 1, 30, plain_s=0.010, draft_s=0.012, draft_tokens=3)
     assert g.state(1) == DRAFTING
-    feed(g, 1, 30, plain_s=0.010, draft_s=0.012, draft_tokens=1)   # the drafts stopped matching
+    feed(g, 1, 20, plain_s=0.010, draft_s=0.012, draft_tokens=1)   # a stretch the output does not copy
+    assert g.state(1) == DRAFTING                                   # is not enough to pause
+    feed(g, 1, 100, plain_s=0.010, draft_s=0.012, draft_tokens=1)  # the drafts stopped matching for good
     assert g.state(1) == PAUSED and g.buckets[0].pauses == 1
     g2, _ = governor(recheck_steps=20)
     feed(g2, 1, 10, plain_s=0.010, draft_s=0.012, draft_tokens=3)
     feed(g2, 1, 21, plain_s=0.010, draft_s=0.012, draft_tokens=3)
     assert g2.state(1) == PROBING and not g2.allows(1)             # measuring plain again first
     assert g2.buckets[0].probes == 1
+
+
+def test_paused_probes_at_once_when_shadow_proposals_would_have_been_accepted():
+    g, _ = governor(backoff_steps=1000, shadow_samples=8, shadow_wait=16, shadow_rate=0.5)
+    feed(g, 1, 10, plain_s=0.010, draft_s=0.016)
+    assert g.state(1) == PAUSED and g.buckets[0].shadow_wait == 32     # a probe that failed
+    for _ in range(40):                                  # proposals the model does not produce
+        g.shadow(1, False)
+        feed(g, 1, 1, plain_s=0.010, draft_s=0.016)
+    assert g.state(1) == PAUSED
+    for _ in range(8):                                   # the text turned copyable
+        g.shadow(1, True)
+    assert g.state(1) == PROBING and g.allows(1) and g.buckets[0].probes == 1
+    g.shadow(1, True)                                    # not paused: ignored
+    feed(g, 1, 5, plain_s=0.010, draft_s=0.016)          # the probe fails: wait twice as long next time
+    assert g.state(1) == PAUSED and g.buckets[0].shadow_wait == 64
+    for _ in range(40):
+        g.shadow(1, True)
+        feed(g, 1, 1, plain_s=0.010, draft_s=0.016)
+    assert g.state(1) == PAUSED                          # 39 paused steps counted (1 warm-up) < 64
+    for _ in range(25):
+        g.shadow(1, True)
+        feed(g, 1, 1, plain_s=0.010, draft_s=0.016)
+    assert g.state(1) == PROBING and g.buckets[0].probes == 2
+    feed(g, 1, 5, plain_s=0.010, draft_s=0.016, draft_tokens=4)   # pays: the wait is reset
+    assert g.state(1) == DRAFTING and g.buckets[0].shadow_wait == 16
 
 
 def test_ranges_of_batch_sizes_are_governed_apart():
@@ -136,13 +164,17 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def test_a_paused_range_pipelines_and_calls_no_proposer():
+def test_a_paused_range_pipelines_and_asks_a_costly_proposer_nothing_a_cheap_one_one_token():
     class Counting(NgramProposer):
-        calls = 0
+        calls: list[list[DraftRequest]] = []
+        cheap = False
 
         def propose(self, requests):
-            Counting.calls += 1
+            Counting.calls.append(requests)
             return super().propose(requests)
+
+    class CheapCounting(Counting):
+        cheap = True
 
     g, _ = governor()
     feed(g, 2, 10, plain_s=0.010, draft_s=0.030)
@@ -154,7 +186,18 @@ def test_a_paused_range_pipelines_and_calls_no_proposer():
     assert not spec.holds_pipelining(seqs)
     plan = [(s, 1) for s in seqs]
     assert spec.draft(plan, 100, 100, _Blocks(), 1000, batch_size=2) == (100, 100)
-    assert plan == [(s, 1) for s in seqs] and Counting.calls == 0
+    assert plan == [(s, 1) for s in seqs] and Counting.calls == []
+    cheap = SpeculativeController(CheapCounting(1, 4), 3, g)
+    assert cheap.draft(plan, 100, 100, _Blocks(), 1000, batch_size=2) == (100, 100)
+    assert plan == [(s, 1) for s in seqs]                   # nothing drafted: one shadow lookup
+    [[request]] = Counting.calls
+    assert request.max_tokens == 1
+    shadowed = next(s for s in seqs if s.seq_id == request.seq_id)
+    guess = NgramProposer(1, 4).propose([request])[0][0]
+    shadowed.output.append(guess)                           # the model produced the guessed token
+    cheap.draft(plan, 100, 100, _Blocks(), 1000, batch_size=2)
+    assert g.buckets[1].shadow_count == 1 and g.buckets[1].shadow_hits == 1.0
+    Counting.calls.clear()
     assert not spec.holds_pipelining(seqs[:1])   # batch size 1 is probing: plain steps first
     feed(g, 1, 10, plain_s=0.010, draft_s=0.008, draft_tokens=2)
     assert spec.holds_pipelining(seqs[:1])       # drafting pays there

@@ -15,7 +15,7 @@ PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "draft": DraftMo
 METHODS = ("off", "ngram", "draft")
 
 
-def make_controller(method: str, num_speculative_tokens: int = 5, prompt_lookup_min: int = 1,
+def make_controller(method: str, num_speculative_tokens: int = 5, prompt_lookup_min: int = 2,
                     prompt_lookup_max: int = 4, governor: bool = True) -> SpeculativeController | None:
     """The engine's controller for `--speculative METHOD`, or None for "off"; with a cost governor
     and per-sequence backoff (`--speculative-governor`, on by default) unless `governor` is False."""

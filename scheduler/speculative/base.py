@@ -21,6 +21,9 @@ class DraftRequest:
 
 class Proposer(ABC):
     name: str = ""
+    # whether a proposal costs nothing worth counting (no forward pass): then the controller also
+    # asks for one while the cost governor has paused drafting, to see when drafts would pay again
+    cheap: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:

@@ -4,10 +4,14 @@ verified chunk leaves of the sequence.
 Called from a few points of scheduler/engine.py: `draft` after the step's decodes are planned
 (before prompt chunks take the rest of the token budget), `settle` when a chunk with drafts
 comes back, `forget` when a sequence leaves, `holds_pipelining` before a step is launched ahead,
-`record` with each decode-only step's time. With the governor on, a sequence whose drafts are
-all rejected also backs off drafting by itself for a while (sequence_backoff.py); and drafting runs
-only for batch sizes where it pays (governor.py): where the governor has paused it, `draft` returns at once
-and `holds_pipelining` is False, so the step is the one speculation off would have scheduled.
+`shadow` when one is, `record` with each decode-only step's time. With the governor on, a
+sequence whose drafts are all rejected also backs off drafting by itself for a while
+(sequence_backoff.py); and drafting runs only for batch sizes where it pays (governor.py): where
+the governor has paused it, `draft` drafts nothing and `holds_pipelining` is False, so the step
+is the one speculation off would have scheduled. There a cheap proposer (n-gram lookup) is still
+asked for one token of one sequence a step, and the governor told whether the model then
+produced it (`shadow`): a paused range of batch sizes is probed again as soon as the text turns
+copyable, not only after its backoff.
 The worker does the arithmetic (it owns sampling): the chunk [last, d1..dk] is verified in the
 step's one forward, and it answers with the accepted drafts and one token of its own after them.
 
@@ -55,6 +59,8 @@ class SpeculativeController:
         self.stats = SpeculativeStats()
         self.governor = governor          # None: always draft
         self.backoff = backoff            # None: a sequence drafts whatever its last verdicts
+        self._shadowed: dict[int, tuple[Sequence, int, int]] = {}   # seq_id: (seq, output index, token)
+        self._shadow_turn = 0
 
     @property
     def method(self) -> str:
@@ -97,7 +103,9 @@ class SpeculativeController:
         as left over. Blocks are not grown here: the engine grows every planned table after.
         Nothing, at no cost, where the governor has paused drafting for `batch_size` (the running
         sequences; the plan's length when not given)."""
-        if not self.drafting(len(plan) if batch_size is None else batch_size):
+        batch_size = len(plan) if batch_size is None else batch_size
+        if not self.drafting(batch_size):
+            self.shadow([seq for seq, n in plan if n == 1], batch_size)
             return budget, free
         candidates = []
         for i, (seq, n) in enumerate(plan):
@@ -124,6 +132,30 @@ class SpeculativeController:
             plan[i] = (seq, 1 + len(drafts))
         return budget, free
 
+    def shadow(self, decoding: list[Sequence], batch_size: int) -> None:
+        """A step of `batch_size` running sequences decodes `decoding` with drafting paused (planned
+        here, or launched ahead by the engine): with a proposer that costs nothing, report the
+        outcome of earlier shadow proposals whose token has come, and ask for one token for one of
+        these sequences (in turn, so 32 streams cost one lookup a step); no proposal is a miss. A
+        proposal reads the tokens known now, so it guesses the output's next token, whether or
+        not a step computing it is in flight."""
+        if self.governor is None or not self.proposer.cheap or self.drafting(batch_size):
+            return
+        for seq_id, (seq, at, token) in list(self._shadowed.items()):
+            if len(seq.output) > at:
+                self.governor.shadow(batch_size, seq.output[at] == token)
+                del self._shadowed[seq_id]
+        waiting = [s for s in decoding if s.seq_id not in self._shadowed and self._may_draft_now(s)]
+        if not waiting:
+            return
+        self._shadow_turn += 1
+        seq = waiting[self._shadow_turn % len(waiting)]
+        drafts = self.proposer.propose([DraftRequest(seq.seq_id, seq.tokens, 1)])[0]
+        if drafts:
+            self._shadowed[seq.seq_id] = (seq, len(seq.output), int(drafts[0]))
+        else:
+            self.governor.shadow(batch_size, False)
+
     def settle(self, seq: Sequence, chunk: SeqChunk, result: SeqResult) -> int:
         """Count a verified chunk and roll the sequence back to the K/V its kept tokens wrote;
         returns that length (positions [0, it) hold K/V of the sequence's own tokens). The K/V of
@@ -141,6 +173,7 @@ class SpeculativeController:
 
     def forget(self, seq: Sequence) -> None:
         seq.draft_tokens = []
+        self._shadowed.pop(seq.seq_id, None)
         self.proposer.forget(seq.seq_id)
         if self.backoff is not None:
             self.backoff.forget(seq.seq_id)

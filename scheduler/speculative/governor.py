@@ -26,11 +26,20 @@ States per bucket of batch sizes (1, 2-3, 4-7, 8-15, 16-31, 32+):
             switch, which pays the switch's pipeline drain or refill); then drafting when its
             cost per token is below plain's, paused otherwise (a probe whose drafting is already
             far worse than plain after a few steps ends early).
-  drafting  draft; pause as soon as the drafting EWMA is worse than the plain one by `margin`;
+  drafting  draft; pause once the drafting EWMA is worse than the plain one by `margin`;
             every `recheck_steps` drafting steps probe again (plain's cost moves with the context).
+            Drafting's EWMA looks back further than plain's (`draft_alpha`): its cost per token
+            follows the text (a stretch the output does not copy, then one it does), and a
+            sequence whose drafts fail backs off by itself (sequence_backoff.py); what pauses a
+            bucket is drafting that does not pay over many steps, not one such stretch.
   paused    decode plainly, keep plain's EWMA fresh; probe drafting again after `backoff_steps`
             plain steps or `backoff_s` seconds, both doubling after each probe that failed (up to
-            the max), reset by one that succeeded.
+            the max), reset by one that succeeded; or sooner, once the text turns copyable: where
+            proposals cost nothing (n-gram lookup) the controller still asks for one draft token
+            a step and reports whether the model then produced it (`shadow`); when at least
+            `shadow_rate` of the recent ones were (an EWMA over `shadow_samples` or more of them),
+            drafting is probed at once, no earlier than `shadow_wait` paused steps, which doubles
+            after each such probe that fails.
 Deterministic to test: the clock is injected and `record` takes the measurements directly.
 """
 from __future__ import annotations
@@ -103,6 +112,9 @@ class _Bucket:
     since: float = 0.0               # when the state began (clock)
     backoff_steps: int = 0
     backoff_s: float = 0.0
+    shadow_hits: float = 0.0         # paused: EWMA of whether a proposed token was the model's next
+    shadow_count: int = 0            # such reports since the pause began
+    shadow_wait: int = 0             # paused steps before the reports may start a probe
     pauses: int = 0                  # drafting stopped (a failed probe or a worse EWMA)
     probes: int = 0                  # measured again after the first probe
     history: list[str] = field(default_factory=list)
@@ -122,10 +134,13 @@ class BucketState:
 
 class CostGovernor:
     def __init__(self, clock: Callable[[], float] = time.perf_counter, alpha: float = 0.15,
-                 margin: float = 0.05, probe_steps: int = 6, warmup_steps: int = 1, early_exit_steps: int = 2,
-                 early_exit_margin: float = 0.5, recheck_steps: int = 512, backoff_steps: int = 256,
-                 max_backoff_steps: int = 8192, backoff_s: float = 30.0, max_backoff_s: float = 600.0):
+                 draft_alpha: float = 0.03, margin: float = 0.05, probe_steps: int = 6, warmup_steps: int = 1,
+                 early_exit_steps: int = 2, early_exit_margin: float = 0.5, recheck_steps: int = 512,
+                 backoff_steps: int = 256, max_backoff_steps: int = 8192, backoff_s: float = 30.0,
+                 max_backoff_s: float = 600.0, shadow_rate: float = 0.5, shadow_samples: int = 8,
+                 shadow_wait: int = 16):
         self.clock = clock
+        self.shadow_rate, self.shadow_samples, self.initial_shadow_wait = shadow_rate, shadow_samples, shadow_wait
         self.margin = margin
         self.probe_steps = probe_steps
         self.warmup_steps = warmup_steps
@@ -135,8 +150,8 @@ class CostGovernor:
         self.initial_backoff = (backoff_steps, backoff_s)
         self.max_backoff = (max_backoff_steps, max_backoff_s)
         now = clock()
-        self.buckets = [_Bucket(bucket_label(i), _Cost(alpha), _Cost(alpha), since=now,
-                                backoff_steps=backoff_steps, backoff_s=backoff_s)
+        self.buckets = [_Bucket(bucket_label(i), _Cost(alpha), _Cost(draft_alpha), since=now,
+                                backoff_steps=backoff_steps, backoff_s=backoff_s, shadow_wait=shadow_wait)
                         for i in range(len(BUCKET_EDGES))]
 
     # ------------------------------------------------------------------ asked by the controller
@@ -150,6 +165,18 @@ class CostGovernor:
 
     def state(self, batch_size: int) -> str:
         return self.buckets[bucket_of(batch_size)].state
+
+    def shadow(self, batch_size: int, hit: bool) -> None:
+        """While drafting is paused for `batch_size`: a token proposed for free for some sequence
+        was (`hit`) or was not the token the model produced next."""
+        b = self.buckets[bucket_of(batch_size)]
+        if b.state != PAUSED:
+            return
+        b.shadow_count += 1
+        b.shadow_hits += (float(hit) - b.shadow_hits) / min(b.shadow_count, self.shadow_samples)
+        if (b.shadow_count >= self.shadow_samples and b.shadow_hits >= self.shadow_rate
+                and b.steps_in_state >= b.shadow_wait):
+            self._probe(b, plain_first=False)
 
     # ------------------------------------------------------------------ fed by the engine
     def record(self, batch_size: int, drafting: bool, emitted: int, seconds: float) -> None:
@@ -198,6 +225,7 @@ class CostGovernor:
             if cost < plain:
                 self._set(b, DRAFTING)
                 b.backoff_steps, b.backoff_s = self.initial_backoff
+                b.shadow_wait = self.initial_shadow_wait
             else:
                 self._pause(b, failed_probe=True)
 
@@ -217,6 +245,8 @@ class CostGovernor:
             # a re-probe that failed again: wait twice as long before the next one
             b.backoff_steps = min(b.backoff_steps * 2, self.max_backoff[0])
             b.backoff_s = min(b.backoff_s * 2, self.max_backoff[1])
+        if failed_probe:
+            b.shadow_wait = min(b.shadow_wait * 2, b.backoff_steps)
         b.pauses += 1
         self._set(b, PAUSED)
 
@@ -225,6 +255,7 @@ class CostGovernor:
         b.state = state
         b.steps_in_state = 0
         b.since = self.clock()
+        b.shadow_hits, b.shadow_count = 0.0, 0
 
     # ------------------------------------------------------------------ shown
     def snapshot(self) -> list[BucketState]:

@@ -14,8 +14,9 @@ SEARCH_WINDOW = 4096
 
 class NgramProposer(Proposer):
     name = "ngram"
+    cheap = True
 
-    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
+    def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({prompt_lookup_min}) must be >= 1 and <= "
                              f"prompt_lookup_max ({prompt_lookup_max})")
