@@ -36,7 +36,9 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
     speculative_governor: bool = option(True, "measure the time per emitted token with and without drafting, per "
                                         "range of batch sizes, and pause drafting where it does not pay (steps "
                                         "then run as with --speculative off), probing again later", Flag())
-    num_speculative_tokens: int = option(5, "tokens drafted per sequence and step at most, with --speculative",
+    num_speculative_tokens: int = option(5, "tokens drafted per sequence and step at most, with --speculative (a "
+                                         "sequence's own length grows by 2 after drafts accepted whole, "
+                                         "shrinks by 1 after others)",
                                          Integer(1, 16), aliases=("--num-spec-tokens",))
     prompt_lookup_min: int = option(2, "shortest n-gram the ngram proposer looks up (vLLM's prompt_lookup_min; "
                                     "one repeated token drafts too often where the text is not copied)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from scheduler.speculative.base import DraftRequest, Proposer
 from scheduler.speculative.controller import SpeculativeController, SpeculativeStats
+from scheduler.speculative.draft_length import DraftLength
 from scheduler.speculative.draft_model import DraftModelProposer
 from scheduler.speculative.governor import BucketState, CostGovernor
 from scheduler.speculative.ngram import NgramProposer
@@ -27,11 +28,12 @@ def make_controller(method: str, num_speculative_tokens: int = 5, prompt_lookup_
         proposer = NgramProposer(prompt_lookup_min, prompt_lookup_max)
     else:
         raise ValueError(f"unknown speculative method {method!r}: one of {', '.join(METHODS)}")
+    lengths = DraftLength(num_speculative_tokens)
     if not governor:
-        return SpeculativeController(proposer, num_speculative_tokens)
-    return SpeculativeController(proposer, num_speculative_tokens, CostGovernor(), SequenceBackoff())
+        return SpeculativeController(proposer, num_speculative_tokens, lengths=lengths)
+    return SpeculativeController(proposer, num_speculative_tokens, CostGovernor(), SequenceBackoff(), lengths)
 
 
 __all__ = ["DraftRequest", "Proposer", "NgramProposer", "DraftModelProposer", "PROPOSERS", "METHODS",
-           "SpeculativeController", "SpeculativeStats", "CostGovernor", "BucketState", "SequenceBackoff",
+           "SpeculativeController", "SpeculativeStats", "CostGovernor", "BucketState", "SequenceBackoff", "DraftLength",
            "make_controller"]

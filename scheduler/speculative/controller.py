@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import Sequence
 from scheduler.speculative.base import DraftRequest, Proposer
+from scheduler.speculative.draft_length import DraftLength
 from scheduler.speculative.governor import CostGovernor
 from scheduler.speculative.sequence_backoff import SequenceBackoff
 from shared.step import SeqChunk, SeqResult
@@ -51,7 +52,7 @@ class SpeculativeStats:
 
 class SpeculativeController:
     def __init__(self, proposer: Proposer, num_speculative_tokens: int, governor: CostGovernor | None = None,
-                 backoff: SequenceBackoff | None = None):
+                 backoff: SequenceBackoff | None = None, lengths: DraftLength | None = None):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.proposer = proposer
@@ -59,6 +60,7 @@ class SpeculativeController:
         self.stats = SpeculativeStats()
         self.governor = governor          # None: always draft
         self.backoff = backoff            # None: a sequence drafts whatever its last verdicts
+        self.lengths = lengths            # None: every sequence drafts up to k tokens a step
         self._shadowed: dict[int, tuple[Sequence, int, int]] = {}   # seq_id: (seq, output index, token)
         self._shadow_turn = 0
 
@@ -112,7 +114,8 @@ class SpeculativeController:
             if n != 1 or seq.num_computed != seq.num_tokens - 1 or not self._may_draft_now(seq):
                 continue
             # the target's own token always comes after the drafts: leave room for it
-            limit = min(self.k, seq.params.max_tokens - len(seq.output) - 1,
+            k = self.k if self.lengths is None else self.lengths.of(seq.seq_id)
+            limit = min(k, seq.params.max_tokens - len(seq.output) - 1,
                         max_context - seq.num_tokens - 1)
             if limit > 0:
                 candidates.append((i, seq, limit))
@@ -166,6 +169,8 @@ class SpeculativeController:
         self.stats.accepted_tokens += accepted
         if self.backoff is not None:
             self.backoff.verdict(seq, accepted)
+        if self.lengths is not None:
+            self.lengths.verdict(seq.seq_id, chunk.num_draft, accepted)
         seq.draft_tokens = []
         kept = chunk.start_pos + len(chunk.token_ids) - chunk.num_draft + accepted
         seq.num_computed = min(kept, seq.num_computed)
@@ -177,3 +182,5 @@ class SpeculativeController:
         self.proposer.forget(seq.seq_id)
         if self.backoff is not None:
             self.backoff.forget(seq.seq_id)
+        if self.lengths is not None:
+            self.lengths.forget(seq.seq_id)
