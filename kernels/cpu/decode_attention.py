@@ -151,6 +151,110 @@ def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv
 
 
 
+def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out, b0, b1, kv, g0, g1,
+                by_four):  # pragma: no cover
+    """attend for the rows b0 <= b < b1 at once (query b at position ctx[b] - 1), rows whose block
+    tables agree on every block they read (`table`: the first row's), as a verification chunk's
+    positions of one sequence do: each block's keys, then its values, are decoded once for all of
+    them. Each row's sums are attend's own loops over the same keys in the same order, so every
+    row's result is the one attend gives it alone (tests/test_decode_attention.py holds them
+    bit-identical)."""
+    dim = q.shape[2]
+    first_head = kv * (out.shape[1] // k_cache.shape[0]) + g0
+    group, n_rows = g1 - g0, b1 - b0
+    block_size = k_cache.shape[2]
+    lo_all, n_all = 1 << 62, 0
+    for b in range(b0, b1):
+        lo_all = min(lo_all, max(0, ctx[b] - window) if window > 0 else 0)
+        n_all = max(n_all, ctx[b])
+    scores = np.empty((n_rows, group, n_all - lo_all), np.float32)
+    qs = np.empty((n_rows, group, dim), np.float32)
+    keys = np.empty((block_size, dim), np.float32)
+    for r in range(n_rows):
+        for g in range(group):
+            for d in range(dim):
+                qs[r, g, d] = q[b0 + r, first_head + g, d] * scale
+    first_block, end_block = lo_all // block_size, (n_all + block_size - 1) // block_size
+    for blk in range(first_block, end_block):
+        base = blk * block_size
+        _decode_rows(k_cache, kv, table[blk], max(lo_all, base) - base, min(n_all, base + block_size) - base,
+                     codec, keys)
+        for r in range(n_rows):
+            n = ctx[b0 + r]
+            lo = max(0, n - window) if window > 0 else 0
+            j, stop = max(lo, base) - base, min(n, base + block_size) - base
+            if j >= stop:
+                continue
+            row_scores = scores[r]
+            at0 = lo - lo_all              # this row's scores start here in row_scores
+            while by_four and j + 4 <= stop:
+                at = at0 + base + j - lo
+                for g in range(group):
+                    a0 = a1 = a2 = a3 = np.float32(0.0)
+                    for d in range(dim):
+                        qd = qs[r, g, d]
+                        a0 += qd * keys[j, d]
+                        a1 += qd * keys[j + 1, d]
+                        a2 += qd * keys[j + 2, d]
+                        a3 += qd * keys[j + 3, d]
+                    row_scores[g, at], row_scores[g, at + 1], row_scores[g, at + 2], row_scores[g, at + 3] = \
+                        a0, a1, a2, a3
+                j += 4
+            for j in range(j, stop):
+                for g in range(group):
+                    acc = np.float32(0.0)
+                    for d in range(dim):
+                        acc += qs[r, g, d] * keys[j, d]
+                    row_scores[g, at0 + base + j - lo] = acc
+    totals = np.empty((n_rows, group), np.float32)
+    for r in range(n_rows):
+        n = ctx[b0 + r]
+        lo = max(0, n - window) if window > 0 else 0
+        span, at0 = n - lo, lo - lo_all
+        bits = np.empty(span, np.int32)
+        for g in range(group):
+            row = scores[r, g, at0:at0 + span]
+            totals[r, g] = softmax_numerators(row, bits)
+            if half:
+                inv_total = np.float32(1.0) / totals[r, g]
+                for j in range(span):
+                    row[j] *= inv_total
+                round_to_half(row)
+                totals[r, g] = np.float32(1.0)
+    acc_out = np.zeros((n_rows, group, dim), np.float32)
+    values = keys
+    for blk in range(first_block, end_block):
+        base = blk * block_size
+        _decode_rows(v_cache, kv, table[blk], max(lo_all, base) - base, min(n_all, base + block_size) - base,
+                     codec, values)
+        for r in range(n_rows):
+            n = ctx[b0 + r]
+            lo = max(0, n - window) if window > 0 else 0
+            j0, stop = max(lo, base) - base, min(n, base + block_size) - base
+            if j0 >= stop:
+                continue
+            at0 = lo - lo_all
+            for g in range(group):
+                weights, acc = scores[r, g], acc_out[r, g]
+                j = j0
+                while by_four and j + 4 <= stop:
+                    at = at0 + base + j - lo
+                    w0, w1, w2, w3 = weights[at], weights[at + 1], weights[at + 2], weights[at + 3]
+                    for d in range(dim):
+                        acc[d] += (w0 * values[j, d] + w1 * values[j + 1, d] + w2 * values[j + 2, d]
+                                   + w3 * values[j + 3, d])
+                    j += 4
+                for j in range(j, stop):
+                    w = weights[at0 + base + j - lo]
+                    for d in range(dim):
+                        acc[d] += w * values[j, d]
+    for r in range(n_rows):
+        for g in range(group):
+            inv = np.float32(1.0) / totals[r, g]
+            for d in range(dim):
+                out[b0 + r, first_head + g, d] = acc_out[r, g, d] * inv
+
+
 def _decode_attention(q, k_cache, v_cache, codec, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
     n_seqs = q.shape[0]
     n_kv = k_cache.shape[0]
@@ -166,6 +270,7 @@ def _decode_attention(q, k_cache, v_cache, codec, tables, ctx, scale, window, ha
 if available():
     _decode_rows = kv_codecs.decode_rows
     attend = njit(fastmath=True, cache=True, nogil=True)(attend)
+    attend_rows = njit(fastmath=True, cache=True, nogil=True)(attend_rows)
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None
 # the same code under another name: numba's on-disk cache is keyed by the function's qualified
 # name, and the serial and parallel compilations must not load each other

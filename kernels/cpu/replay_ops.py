@@ -44,6 +44,7 @@ if njit is not None and int8_matmul.available():
     _PAIR_TILES = int8_matmul.VNNI
     _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
+    _attend_rows = decode_attention.attend_rows
     _encode_row, _values_in = kv_codecs.encode_row, kv_codecs.values_in
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
     _u8, _f32, _u8_4d = addresses.u8, addresses.f32, addresses.u8_4d
@@ -125,7 +126,9 @@ if njit is not None and int8_matmul.available():
         its heads need in the pool's codec as the backend's stores code them (a KV head split
         between the threads is stored by both, each writing only the final values); the queries
         are rounded to float16 too, as the rowwise kernels do. Without `store` the rows' K/V were
-        stored by _store_kv before a meeting (rows of one sequence read each other's)."""
+        stored by _store_kv before a meeting (rows of one sequence read each other's), and the rows
+        a thread takes whole go to attend_rows in runs whose block tables agree (a verification
+        chunk's positions): each block decoded once for the run, each row's result attend's."""
         dst, q_v, k_v, v_v = ops[i, 1], ops[i, 2], ops[i, 3], ops[i, 4]
         k_cache, v_cache = _u8_4d(caches, 2 * ops[i, 5]), _u8_4d(caches, 2 * ops[i, 5] + 1)
         codec = caches[2 * ops[i, 5], CACHE_CODEC]
@@ -135,6 +138,52 @@ if njit is not None and int8_matmul.available():
         n_heads = out.shape[1]
         group = n_heads // n_kv
         task, end = rows * n_heads * th // n_threads, rows * n_heads * (th + 1) // n_threads
+        scale, window = np.float32(params[i, 0]), ops[i, 6]
+        whole_lo = whole_hi = task                                   # the tasks of rows taken whole
+        first, last = -(-task // n_heads), end // n_heads
+        if not store and last - first > 1:
+            whole_lo, whole_hi = first * n_heads, last * n_heads
+            for b in range(first, last):
+                for h in range(n_heads):
+                    _round_to_half(q[b, h])
+            b0 = first
+            while b0 < last:
+                b1, n_max = b0 + 1, ctx[b0]
+                while b1 < last:
+                    need = (max(n_max, ctx[b1]) + block_size - 1) // block_size
+                    if not _same_blocks(tables, b0, b1, 0, need) or \
+                            not _rows_same_blocks(tables, b0, b1, (n_max + block_size - 1) // block_size, need):
+                        break
+                    n_max = max(n_max, ctx[b1])
+                    b1 += 1
+                for kv in range(n_kv):
+                    _attend_rows(q, k_cache, v_cache, codec, tables[b0], ctx, scale, window, True, out,
+                                 b0, b1, kv, 0, group, True)
+                b0 = b1
+        for part in range(2):
+            task, stop = (task, whole_lo) if part == 0 else (whole_hi, end)
+            _attend_tasks(task, stop, q, out, k_cache, v_cache, codec, tables, ctx, scale, window, n_heads,
+                          group, dim, block_size, store, slots, values, k_v, v_v, shared, own)
+
+    @njit(inline="always")
+    def _same_blocks(tables, b0, b, lo, hi):  # pragma: no cover - compiled
+        for blk in range(lo, hi):
+            if tables[b, blk] != tables[b0, blk]:
+                return False
+        return True
+
+    @njit(inline="always")
+    def _rows_same_blocks(tables, b0, b1, lo, hi):  # pragma: no cover - compiled
+        """Rows b0 < b < b1 agree with b0 on blocks [lo, hi) too (a run grown to read them)."""
+        for b in range(b0 + 1, b1):
+            if not _same_blocks(tables, b0, b, lo, hi):
+                return False
+        return True
+
+    @njit(inline="always")
+    def _attend_tasks(task, end, q, out, k_cache, v_cache, codec, tables, ctx, scale, window, n_heads, group,
+                      dim, block_size, store, slots, values, k_v, v_v, shared, own):  # pragma: no cover - compiled
+        """The (row, query head) tasks [task, end), a call of attend per row and KV head they cover."""
         while task < end:
             b, h = task // n_heads, task % n_heads
             kv = h // group
@@ -151,8 +200,7 @@ if njit is not None and int8_matmul.available():
                 _round_to_half(q[b, kv * group + g])
             # by_four as the kernels take it: under fastmath the vectorizer sums a four-key pass in
             # another order than single keys on AVX2 (bit-identical on AVX-512 only by its widths)
-            _attend(q, k_cache, v_cache, codec, tables[b], ctx[b], np.float32(params[i, 0]), ops[i, 6], True, out,
-                    b, kv, g0, g1, True)
+            _attend(q, k_cache, v_cache, codec, tables[b], ctx[b], scale, window, True, out, b, kv, g0, g1, True)
             task = run_end
 
     @njit(inline="always")
