@@ -23,7 +23,7 @@ test: install
 	$(PY) -m pytest -q
 	if $(PY) -c "import sys; from kernels.cpu import isa; sys.exit(not isa.has('avx512f'))"; then \
 	  TS_MAX_CPU_ISA=avx2 $(PY) -m pytest -q tests/test_int8_matmul.py tests/test_graph_replay.py tests/test_kernels.py \
-	    tests/test_batching.py tests/test_flash_attention.py; fi
+	    tests/test_batching.py tests/test_flash_attention.py tests/test_decode_attention_rows.py; fi
 
 test-all: install
 	$(PY) -m pytest -q -m ''

@@ -7,17 +7,9 @@ import numpy as np
 import pytest
 
 from kernels.cpu import decode_attention, kv_codecs
+from test_flash_attention import make_cache
 
 pytestmark = pytest.mark.skipif(not decode_attention.available(), reason="needs numba")
-
-
-def make_cache(rng, codec, n_kv, n_blocks, block_size, dim):
-    k = np.zeros(kv_codecs.pool_shape(codec, n_blocks, block_size, n_kv, dim), kv_codecs.DTYPES[kv_codecs.number(codec)])
-    v = np.zeros_like(k)
-    slots = np.arange(n_blocks * block_size)
-    kv_codecs.store(k, v, rng.standard_normal((len(slots), n_kv, dim)).astype(np.float32),
-                    rng.standard_normal((len(slots), n_kv, dim)).astype(np.float32), slots)
-    return kv_codecs.raw(k), kv_codecs.raw(v), kv_codecs.codec_of(k)
 
 
 @pytest.mark.parametrize("codec", ["f16", "q8_0", "q4_0"])
@@ -33,7 +25,8 @@ def make_cache(rng, codec, n_kv, n_blocks, block_size, dim):
 def test_each_row_is_what_attend_gives_it_alone(codec, n_kv, heads, dim, block_size, window, depth, rows, half):
     rng = np.random.default_rng(depth + rows)
     n_blocks = -(-depth // block_size) + 1
-    k, v, number = make_cache(rng, codec, n_kv, n_blocks, block_size, dim)
+    k_pool, v_pool = make_cache(rng, codec, n_kv, n_blocks, block_size, dim)
+    k, v, number = kv_codecs.raw(k_pool), kv_codecs.raw(v_pool), kv_codecs.codec_of(k_pool)
     table = rng.permutation(n_blocks).astype(np.int64)
     q = rng.standard_normal((rows, heads, dim)).astype(np.float32)
     ctx = np.arange(depth - rows + 1, depth + 1, dtype=np.int64)

@@ -151,6 +151,13 @@ def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv
 
 
 
+def _keys_in_block(n, window, base, block_size):  # pragma: no cover - numba
+    """For the query at position n - 1: its first visible key, then the rows [j0, stop) of the
+    block starting at key `base` that it sees."""
+    lo = max(0, n - window) if window > 0 else 0
+    return lo, max(lo, base) - base, min(n, base + block_size) - base
+
+
 def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out, b0, b1, kv, g0, g1,
                 by_four):  # pragma: no cover
     """attend for the rows b0 <= b < b1 at once (query b at position ctx[b] - 1), rows whose block
@@ -180,9 +187,7 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
         _decode_rows(k_cache, kv, table[blk], max(lo_all, base) - base, min(n_all, base + block_size) - base,
                      codec, keys)
         for r in range(n_rows):
-            n = ctx[b0 + r]
-            lo = max(0, n - window) if window > 0 else 0
-            j, stop = max(lo, base) - base, min(n, base + block_size) - base
+            lo, j, stop = _keys_in_block(ctx[b0 + r], window, base, block_size)
             if j >= stop:
                 continue
             row_scores = scores[r]
@@ -228,9 +233,7 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
         _decode_rows(v_cache, kv, table[blk], max(lo_all, base) - base, min(n_all, base + block_size) - base,
                      codec, values)
         for r in range(n_rows):
-            n = ctx[b0 + r]
-            lo = max(0, n - window) if window > 0 else 0
-            j0, stop = max(lo, base) - base, min(n, base + block_size) - base
+            lo, j0, stop = _keys_in_block(ctx[b0 + r], window, base, block_size)
             if j0 >= stop:
                 continue
             at0 = lo - lo_all
@@ -269,6 +272,7 @@ def _decode_attention(q, k_cache, v_cache, codec, tables, ctx, scale, window, ha
 
 if available():
     _decode_rows = kv_codecs.decode_rows
+    _keys_in_block = njit(inline="always")(_keys_in_block)
     attend = njit(fastmath=True, cache=True, nogil=True)(attend)
     attend_rows = njit(fastmath=True, cache=True, nogil=True)(attend_rows)
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None
