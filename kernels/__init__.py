@@ -32,11 +32,19 @@ class AttentionMetadata:
     # some "sequences" are consecutive positions of one sequence (a verification chunk packed as
     # decode rows): each row's K/V must be stored before any row attends
     rows_share_sequences: bool = False
+    # the same rows in the sliding-window layers' own pool (worker/kv_pool.py), where it has one:
+    # their block tables and slots; None: those layers read and write through these
+    windowed: AttentionMetadata | None = None
+
+    def for_layer(self, window: int) -> AttentionMetadata:
+        """The metadata a layer with this window (0: none) reads and writes its K/V through."""
+        return self.windowed if window > 0 and self.windowed is not None else self
 
     @classmethod
     def for_decode(cls, context_lens: np.ndarray, block_tables: np.ndarray, slot_mapping: np.ndarray,
                    rows: np.ndarray | None = None, query_lens: np.ndarray | None = None,
-                   rows_share_sequences: bool = False) -> AttentionMetadata:
+                   rows_share_sequences: bool = False, windowed: AttentionMetadata | None = None
+                   ) -> AttentionMetadata:
         """One new causal token per sequence (a decode step; block_tables and context_lens as int64,
         as decode_tables holds them), its derived tables filled in at once:
         each numpy call after a step's weight streams runs cold (a 1-element add: 24-38 us).
@@ -46,7 +54,7 @@ class AttentionMetadata:
         rows = np.arange(len(context_lens)) if rows is None else rows
         query_lens = np.ones(len(rows), np.int64) if query_lens is None else query_lens
         meta = cls(query_lens, context_lens, block_tables.astype(np.int32), slot_mapping,
-                   rows_share_sequences=rows_share_sequences)
+                   rows_share_sequences=rows_share_sequences, windowed=windowed)
         meta.__dict__.update(all_decode=True, row_starts=rows, decode_seqs=rows,
                              decode_tables=(rows, block_tables, context_lens))
         return meta

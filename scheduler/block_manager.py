@@ -139,6 +139,8 @@ class BlockManager:
         (`tokens`, the sequence's tokens, lets later prompts match inside these blocks too)."""
         bs = self.block_size
         for i in range(start, end):
+            if table[i] < 0:                              # released (a window's table): nothing to register
+                continue
             block = self.blocks[table[i]]
             if block.hash is None and chain[i] not in self._by_hash:
                 block.hash = chain[i]
@@ -176,10 +178,13 @@ class BlockManager:
         block.hash, block.parent, block.token_ids = None, None, ()
 
     def free(self, table: list[int]) -> int:
-        """Drop `table`'s references; returns how many blocks became free. The tail is released
-        first, so under pressure a prefix's last blocks are evicted before its first."""
+        """Drop `table`'s references (entries below 0 hold none); returns how many blocks became free.
+        The tail is released first, so under pressure a prefix's last blocks are evicted before its
+        first."""
         released = 0
         for b in reversed(table):
+            if b < 0:
+                continue
             block = self.blocks[b]
             if block.ref_count <= 0:
                 raise RuntimeError(f"KV block {b} freed twice")

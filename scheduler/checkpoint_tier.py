@@ -31,6 +31,7 @@ import grpc
 from protos.tensorserve.v1 import scheduler_pb2
 from scheduler.block_format import KVBlock
 from scheduler.block_manager import BlockManager
+from scheduler.window_blocks import WindowBlocks
 from scheduler.block_stores import BlockStore, DirectoryStore, RedisStore
 from scheduler.prefix_checkpoints import Found, PrefixCheckpoints, geometry_of
 from scheduler.sequence import Sequence
@@ -38,14 +39,18 @@ from scheduler.worker_client import WorkerFailure
 
 log = logging.getLogger(__name__)
 
+# the engine's references a save holds: on main-pool blocks, and on windowed-layer-pool blocks
+# (scheduler/window_blocks.py; empty where the worker has one pool)
+Held = tuple[list[int], list[int]]
+
 MAX_PENDING_SAVES = 256          # save jobs queued for the writer; past it a save is dropped (counted)
 MAX_KNOWN = 1 << 17              # hashes remembered as stored everywhere (skips a save's store queries)
 
 
 @dataclass
 class _Save:
-    held: list[int]                         # the engine's references on the blocks, released after export
-    block_ids: list[int]
+    held: Held                              # the engine's references on the blocks, released after export
+    block_ids: list[tuple[int, int]]        # (block, its windowed layers' block or -1 where none)
     hashes: list[bytes]
     parents: list[bytes | None]
     token_ids: list[tuple[int, ...]]
@@ -73,7 +78,7 @@ class CheckpointTier:
         self.worker = worker                 # a WorkerClient
         self.stats = TierStats()
         self._jobs: queue.Queue = queue.Queue(MAX_PENDING_SAVES)
-        self._released: deque[list[int]] = deque()
+        self._released: deque[Held] = deque()
         self._cond = threading.Condition()
         self._pending = 0                    # save jobs whose blocks the engine still holds
         self._known: OrderedDict[bytes, None] = OrderedDict()
@@ -86,10 +91,13 @@ class CheckpointTier:
         return self.checkpoints.geometry.block_size
 
     # ------------------------------------------------------------------ engine loop
-    def restore_into_pool(self, manager: BlockManager, seq: Sequence, hits: list[int], n_blocks: int) -> int:
+    def restore_into_pool(self, manager: BlockManager, seq: Sequence, hits: list[int], n_blocks: int,
+                          window: WindowBlocks | None = None) -> int:
         """Looks up `seq`'s blocks after its pool hits, up to `n_blocks`, in the stores and imports
         those found into free pool blocks, registered as cached prefix blocks (the engine's next
-        lookup takes them); returns how many. Runs with no step in flight."""
+        lookup takes them); returns how many. Runs with no step in flight. With `window` (the
+        windowed layers' own pool), the windowed layers of the blocks the window after the last
+        restored one reads go into that pool, registered there too."""
         seq.stores_checked = True
         started = time.perf_counter()
         found = self.find(seq.block_hashes[len(hits):n_blocks])
@@ -103,22 +111,42 @@ class CheckpointTier:
             if not found:
                 return 0
             manager.grow(table, len(found) * manager.block_size)
-            found = self._import(manager, table, found)
-            for block_id, f in zip(table, found):
+            window_table = self._window_blocks(window, len(hits), found)
+            found = self._import(manager, table, found, window, window_table)
+            for i, (block_id, f) in enumerate(zip(table, found)):
                 manager.register(block_id, f.block.block_hash, f.block.parent_hash, f.block.token_ids)
+                if window is not None and window_table[i] >= 0:
+                    window.manager.register(window_table[i], f.block.block_hash, f.block.parent_hash,
+                                            f.block.token_ids)
             self.stats.restored_bytes += sum(len(f.value) for f in found)
             self.stats.restore_seconds += time.perf_counter() - started
             return len(found)
         finally:
             manager.free(table)
             manager.free(hold)
+            if window is not None:
+                window.manager.free(window_table)
 
-    def _import(self, manager: BlockManager, table: list[int], found: list[Found]) -> list[Found]:
-        """Loads `found` into `table`'s blocks; what the worker took (a block whose values are not
-        finite is rejected and the blocks before it are loaded again; the rest is recomputed)."""
+    @staticmethod
+    def _window_blocks(window: WindowBlocks | None, n_hits: int, found: list[Found]) -> list[int]:
+        """Windowed-pool blocks for the restored blocks inside the window after the last of them (-1
+        for the others); fewer when that pool is short, which only shortens the prefix used."""
+        if window is None:
+            return []
+        first = window.first_needed((n_hits + len(found)) * window.block_size) - n_hits
+        kept = min(len(found) - max(0, first), max(0, window.num_free - 1))
+        fresh: list[int] = []
+        window.manager.grow(fresh, kept * window.block_size)
+        return [-1] * (len(found) - kept) + fresh
+
+    def _import(self, manager: BlockManager, table: list[int], found: list[Found], window: WindowBlocks | None = None,
+                window_table: list[int] | None = None) -> list[Found]:
+        """Loads `found` into `table`'s blocks (and `window_table`'s); what the worker took (a block
+        whose values are not finite is rejected and the blocks before it are loaded again; the rest
+        is recomputed)."""
         for _ in range(2):
             try:
-                self.load(table, found)
+                self.load(table, found, window_table if window is not None else None)
                 return found
             except WorkerFailure as exc:
                 if exc.code != grpc.StatusCode.INVALID_ARGUMENT:
@@ -130,24 +158,38 @@ class CheckpointTier:
                 found = found[:usable]
                 manager.free(table[usable:])
                 del table[usable:]
+                if window is not None:
+                    window.manager.free(window_table[usable:])
+                    del window_table[usable:]
                 if not found:
                     return []
         return []
 
-    def save_prompt_blocks(self, manager: BlockManager, seq: Sequence, full: int) -> None:
+    def save_prompt_blocks(self, manager: BlockManager, seq: Sequence, full: int,
+                           window: WindowBlocks | None = None) -> None:
         """Hands `seq`'s full prompt blocks computed so far (the first `full` blocks are) to the
-        writer, holding them until they are exported."""
+        writer, holding them until they are exported. With `window` (the windowed layers' own pool),
+        a block whose windowed layers have left that pool already is not saved (a window shorter
+        than a prefill chunk), nor the blocks after it, which no lookup would reach."""
         bs = manager.block_size
         start, end = seq.num_saved_blocks, min(full, len(seq.prompt) // bs)
+        if window is not None and seq.window_start > start:
+            end = start                              # the chain of stored blocks breaks here
         if end <= start:
+            seq.num_saved_blocks = max(seq.num_saved_blocks, end)
             return
         seq.num_saved_blocks = end
         chain = seq.block_hashes
-        held: list[int] = []
-        manager.acquire(held, seq.block_table[start:end])
-        if not self.save(held, list(held), chain[start:end], [chain[i - 1] if i else None for i in range(start, end)],
+        held: Held = ([], [])
+        manager.acquire(held[0], seq.block_table[start:end])
+        if window is not None:
+            window.manager.acquire(held[1], seq.window_table[start:end])
+        pairs = list(zip(held[0], held[1] if window is not None else [-1] * len(held[0])))
+        if not self.save(held, pairs, chain[start:end], [chain[i - 1] if i else None for i in range(start, end)],
                          [tuple(seq.prompt[i * bs:(i + 1) * bs]) for i in range(start, end)]):
-            manager.free(held)
+            manager.free(held[0])
+            if window is not None:
+                window.manager.free(held[1])
 
     def find(self, hashes: list[bytes]) -> list[Found]:
         """The stored blocks of the longest prefix of `hashes`."""
@@ -155,10 +197,10 @@ class CheckpointTier:
             return []
         return self.checkpoints.find_values(hashes)
 
-    def load(self, block_ids: list[int], found: list[Found]) -> None:
+    def load(self, block_ids: list[int], found: list[Found], window_ids: list[int] | None = None) -> None:
         """Imports found blocks into free pool blocks (before any step reads them)."""
         blocks: list[KVBlock] = [f.block for f in found]
-        self.checkpoints.restore(self.worker, block_ids, blocks)
+        self.checkpoints.restore(self.worker, block_ids, blocks, window_ids)
         self.stats.restored_blocks += len(blocks)
         promote = [f for f in found if f.store > 0]
         if promote:
@@ -167,7 +209,7 @@ class CheckpointTier:
             except queue.Full:
                 pass
 
-    def save(self, held: list[int], block_ids: list[int], hashes: list[bytes], parents: list[bytes | None],
+    def save(self, held: Held, block_ids: list[tuple[int, int]], hashes: list[bytes], parents: list[bytes | None],
              token_ids: list[tuple[int, ...]]) -> bool:
         """Queues blocks for writing; the engine keeps `held` (its references on them) until
         `released()` hands the list back. False: nothing queued (all known stored, or the queue is
@@ -186,7 +228,7 @@ class CheckpointTier:
             self._pending += 1
         return True
 
-    def released(self) -> list[list[int]]:
+    def released(self) -> list[Held]:
         """Held block lists whose blocks have been exported (the engine frees them)."""
         out = []
         while self._released:
@@ -253,7 +295,9 @@ class CheckpointTier:
             kv = None
             if wanted:
                 try:
-                    kv = self.worker.export_blocks([blocks[hashes[i]][0] for i in wanted])
+                    pairs = [blocks[hashes[i]][0] for i in wanted]
+                    windowed = [w for _, w in pairs] if pairs[0][1] >= 0 else None
+                    kv = self.worker.export_blocks([b for b, _ in pairs], window_ids=windowed)
                 except Exception as exc:       # the worker went away: the engine is being replaced
                     self.stats.save_failures += 1
                     log.debug("exporting blocks for a checkpoint failed: %s", exc)
@@ -279,7 +323,7 @@ class CheckpointTier:
             if all([stores[i].put(f.block.block_hash, f.value) for i in range(f.store)]):
                 self._remember(f.block.block_hash)
 
-    def _release(self, held: list[int]) -> None:
+    def _release(self, held: Held) -> None:
         with self._cond:
             self._released.append(held)
             self._pending -= 1

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.common_config import (DEFAULT_MODEL_CACHE, DrainOptions, InternalOptions, LoggingOptions,
-                                   TransportOptions, check_exposure)
+from shared.common_config import (DEFAULT_MODEL_CACHE, BatchOptions, DrainOptions, InternalOptions,
+                                   LoggingOptions, TransportOptions, check_exposure)
 from shared.option_kinds import Address, Choice, Flag, Integer, Number, Port, Size, Text
 from shared.options import ConfigError, Resolved, option
 
 
 @dataclass(frozen=True, kw_only=True)
-class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOptions):
+class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOptions, BatchOptions):
     host: str = option("127.0.0.1", "address the scheduler listens on", Text(metavar="HOST"),
                        env="TS_SCHEDULER_HOST", internal=True)
     port: int = option(0, "gRPC port of the scheduler, 0 = a free one", Port(), env="TS_SCHEDULER_PORT",
@@ -19,9 +19,6 @@ class SchedulerConfig(InternalOptions, TransportOptions, DrainOptions, LoggingOp
                                 "(RegisterWorker)", Address(), env="TS_WORKER_ADDRESS", internal=True)
     ready_file: str | None = option(None, 'write {"address": "host:port", "pid": N} here once listening',
                                     Text(metavar="FILE"), env="TS_SCHEDULER_READY_FILE", internal=True)
-    max_num_seqs: int = option(64, "sequences running at once at most", Integer(1))
-    max_num_batched_tokens: int = option(256, "tokens computed per engine step at most (the prefill chunk "
-                                         "budget; on a CPU worker a 256-token chunk is a ~0.4 s step)", Integer(1))
     max_prefill_tokens_while_decoding: int = option(
         48, "prompt tokens a step that also decodes takes at most: a step's time is the running requests' "
         "inter-token latency, so this bounds it while new prompts arrive", Integer(1))

@@ -305,7 +305,7 @@ class SchedulerCore:
                       fingerprint=d.fingerprint, enable_prefix_caching=self.enable_prefix_caching,
                       submit=self._submit, max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
                       num_decode_steps=self.num_decode_steps, checkpoints=tier,
-                      speculative=self._speculative())
+                      speculative=self._speculative(), num_window_blocks=d.num_window_blocks, window=d.window)
         # a new engine starts with an empty prefix cache: the router's view of us starts again
         self.prefix_journal.clear(d.block_size if self.enable_prefix_caching else 0, d.fingerprint)
         engine.blocks.journal = self.prefix_journal

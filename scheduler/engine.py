@@ -26,6 +26,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.checkpoint_tier import CheckpointTier
 from scheduler.sequence import Sequence, Status
 from scheduler.speculative.controller import SpeculativeController
+from scheduler.window_blocks import WindowBlocks
 from shared.step import SeqChunk, StepRequest, StepResult
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,15 @@ class Engine:
                  fingerprint: str = "", enable_prefix_caching: bool = True, submit: Submit | None = None,
                  max_prefill_tokens_while_decoding: int | None = None, num_decode_steps: int = 1,
                  checkpoints: CheckpointTier | None = None, speculative: SpeculativeController | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, num_window_blocks: int = 0, window: int = 0):
+        """`num_window_blocks` > 0: the worker keeps its sliding-window layers (attending over `window`
+        tokens) in a pool of their own, addressed by each sequence's window_table
+        (scheduler/window_blocks.py)."""
         self.executor = executor
         self.submit = submit
         self._in_flight: _Launched | None = None
         self.blocks = BlockManager(num_blocks, block_size, fingerprint)
+        self.window = WindowBlocks(num_window_blocks, block_size, window, fingerprint) if num_window_blocks else None
         self.max_context = max_context
         self.max_num_batched_tokens = max_num_batched_tokens
         # a step that carries decodes takes at most this many prompt tokens: the decodes'
@@ -73,6 +78,8 @@ class Engine:
         self._finished_ids: list[int] = []
         self._copies: list[tuple[int, int]] = []       # KV block copies for the next launched step
         self._copy_sources: list[int] = []             # their source blocks, held until then
+        self._window_copies: list[tuple[int, int]] = []     # the same in the windowed layers' pool
+        self._window_copy_sources: list[int] = []
         self.num_preemptions = 0                       # since start: sequences sent back to recompute
         self.checkpoints = checkpoints if enable_prefix_caching else None
         self.restored_tokens = 0                       # since start: prompt tokens restored from the stores
@@ -105,7 +112,8 @@ class Engine:
         plan: list[tuple[Sequence, int]] = []
         planned: set[int] = set()
         bs = self.blocks.block_size
-        free = self.blocks.num_free
+        self._slide_windows(self.running)
+        free = self.num_free
 
         def need(seq: Sequence, n: int) -> int:
             return max(0, self.blocks.blocks_needed(seq.num_computed + n) - len(seq.block_table))
@@ -166,6 +174,8 @@ class Engine:
             start = len(hits) * bs + (partial[1] if partial else 0)
             n = min(seq.num_tokens - start, budget)
             cost = self.blocks.blocks_needed(start + n) - len(hits) + self.blocks.count_unheld(held)
+            if self.window is not None:                # and in the windowed layers' pool
+                cost = max(cost, self._window_admission_cost(seq, hits, partial, start + n))
             if cost > free:
                 break                                  # no skipping ahead: nobody starves
             queue.remove(seq) if queue is self.preempted else queue.popleft()
@@ -175,8 +185,30 @@ class Engine:
             free -= cost
             budget -= n
         for seq, n in plan:
-            self.blocks.grow(seq.block_table, seq.num_computed + n)
+            self._grow(seq, seq.num_computed + n)
         return plan
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a new table entry can take: in both pools where the windowed layers have their own."""
+        return self.blocks.num_free if self.window is None else min(self.blocks.num_free, self.window.num_free)
+
+    def _grow(self, seq: Sequence, n_tokens: int) -> None:
+        self.blocks.grow(seq.block_table, n_tokens)
+        if self.window is not None:
+            self.window.grow(seq, n_tokens)
+
+    def _slide_windows(self, seqs: list[Sequence]) -> None:
+        """Release the windowed blocks that left the window of each sequence's next position."""
+        if self.window is not None:
+            for seq in seqs:
+                self.window.slide(seq)
+
+    def _window_admission_cost(self, seq: Sequence, hits: list[int], partial: tuple[int, int] | None,
+                               end: int) -> int:
+        first, window_hits = self.window.hits(seq.block_hashes, len(hits))
+        held = window_hits + [self.window.block_for(self.blocks.blocks[partial[0]].hash)] if partial else window_hits
+        return (self.blocks.blocks_needed(end) - len(hits) + self.window.manager.count_unheld(held))
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], tuple[int, int] | None]:
         """Cached blocks a new sequence can start from, leaving at least one token to compute (its
@@ -191,26 +223,37 @@ class Engine:
         self.blocks.extend_hashes(seq.block_hashes, seq.tokens, n_blocks)
         hits = self.blocks.lookup(seq.block_hashes[:n_blocks])
         if self.checkpoints is not None and len(hits) < n_blocks and not seq.stores_checked:
-            restored = self.checkpoints.restore_into_pool(self.blocks, seq, hits, n_blocks)
+            restored = self.checkpoints.restore_into_pool(self.blocks, seq, hits, n_blocks, self.window)
             if restored:
                 self.restored_tokens += restored * bs
                 hits = self.blocks.lookup(seq.block_hashes[:n_blocks])
+        if self.window is not None:                    # the windowed pool must hold the window after them
+            hits = hits[:self.window.usable_hits(seq.block_hashes, len(hits))]
         partial = None
         start = len(hits) * bs
         limit = min(bs - 1, seq.num_tokens - 1 - start)
         if hits and limit > 0:
             partial = self.blocks.partial_lookup(seq.block_hashes[len(hits) - 1], seq.tokens[start:start + limit])
+            if partial is not None and self.window is not None \
+                    and self.window.block_for(self.blocks.blocks[partial[0]].hash) is None:
+                partial = None
         return hits, partial
 
     def _admit(self, seq: Sequence, hits: list[int], partial: tuple[int, int] | None = None) -> None:
         self.blocks.acquire(seq.block_table, hits)
+        if self.window is not None:
+            self.window.admit(seq, *self.window.hits(seq.block_hashes, len(hits)))
         seq.num_committed_blocks = len(hits)            # cached blocks are registered already
         seq.num_computed = len(hits) * self.blocks.block_size
         if partial is not None:                        # continue in a copy of a cached block's first tokens
             src, n = partial
             self.blocks.acquire(self._copy_sources, [src])   # held until the copy is launched
-            self.blocks.grow(seq.block_table, seq.num_computed + 1)
+            self._grow(seq, seq.num_computed + 1)
             self._copies.append((src, seq.block_table[-1]))
+            if self.window is not None:
+                window_src = self.window.block_for(self.blocks.blocks[src].hash)
+                self.window.manager.acquire(self._window_copy_sources, [window_src])
+                self._window_copies.append((window_src, seq.window_table[-1]))
             seq.num_computed += n
         seq.send_prefix = seq.num_computed > 0
         if seq.num_cached_tokens < 0:
@@ -222,8 +265,10 @@ class Engine:
         self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> int:
-        """Release a running sequence's blocks and queue it for recompute; returns the blocks freed."""
-        freed = self.blocks.free(seq.block_table)
+        """Release a running sequence's blocks and queue it for recompute; returns how many more
+        blocks a new table entry can take (num_free)."""
+        before = self.num_free
+        self._free_tables(seq)
         self.running.remove(seq)
         if self.speculative is not None:
             self.speculative.forget(seq)
@@ -237,7 +282,12 @@ class Engine:
         self.preempted.sort(key=lambda s: s.arrival)
         log.info("KV blocks exhausted: preempted sequence %d (%d tokens, recomputed later; %d preemptions so far)",
                  seq.seq_id, seq.num_tokens, self.num_preemptions)
-        return freed
+        return self.num_free - before
+
+    def _free_tables(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        if self.window is not None:
+            self.window.free(seq)
 
     # ------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -283,17 +333,20 @@ class Engine:
                     *(self.max_context - seq.num_tokens for seq, _ in plan))
         need = sum(max(0, self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.block_table))
                    for seq, _ in plan)
-        if steps <= 1 or need > self.blocks.num_free:
+        if steps <= 1 or need > self.num_free:
             return 1
         for seq, _ in plan:
-            self.blocks.grow(seq.block_table, seq.num_computed + steps)
+            self._grow(seq, seq.num_computed + steps)
         return steps
 
     def _launch(self, plan: list[tuple[Sequence, int]], steps: int = 1, drafting: bool = False) -> _Launched:
         chunks = [self._chunk(seq, n) for seq, n in plan]
-        request = StepRequest(chunks, finished=self._finished_ids, copy_blocks=self._copies, num_steps=steps)
-        self._finished_ids, self._copies = [], []
+        request = StepRequest(chunks, finished=self._finished_ids, copy_blocks=self._copies, num_steps=steps,
+                              copy_window_blocks=self._window_copies)
+        self._finished_ids, self._copies, self._window_copies = [], [], []
         self.blocks.free(self._copy_sources)          # the worker copies them before any later step runs
+        if self.window is not None:
+            self.window.manager.free(self._window_copy_sources)
         for seq, n in plan:
             seq.num_computed += n + steps - 1          # in flight: the worker is computing them
         if self.submit is not None:
@@ -316,11 +369,13 @@ class Engine:
         if len(seqs) != len(self.running):
             return None                                # someone is mid-prefill: schedule normally
         seqs = [s for s in seqs if len(s.output) + 2 <= s.params.max_tokens and s.num_tokens + 2 <= self.max_context]
+        # the windowed blocks the running step still reads are only taken by steps after it
+        self._slide_windows(seqs)
         need = sum(max(0, self.blocks.blocks_needed(s.num_computed + 1) - len(s.block_table)) for s in seqs)
-        if not seqs or need > self.blocks.num_free or len(seqs) > self.max_num_batched_tokens:
+        if not seqs or need > self.num_free or len(seqs) > self.max_num_batched_tokens:
             return None
         for s in seqs:
-            self.blocks.grow(s.block_table, s.num_computed + 1)
+            self._grow(s, s.num_computed + 1)
         if self.speculative is not None:               # drafting is paused here: see if it would pay
             self.speculative.shadow(seqs, len(self.running))
         return [(s, 1) for s in seqs]
@@ -392,6 +447,7 @@ class Engine:
             token_ids=np.asarray(ids + [PLACEHOLDER] * (n - len(ids)), np.int64),   # ahead: being sampled
             start_pos=start,
             block_table=np.asarray(seq.block_table, np.int32),
+            window_table=np.asarray(seq.window_table, np.int32) if self.window is not None else None,
             prompt_len=len(seq.prompt),
             sample=done_prompt and start + n >= seq.num_tokens and seq.params.max_tokens > 0
             and (not seq.score_top_k or seq.generate_after_score),
@@ -413,19 +469,24 @@ class Engine:
         if full > seq.num_committed_blocks and self.enable_prefix_caching:
             self.blocks.extend_hashes(seq.block_hashes, seq.tokens, full)
             self.blocks.commit(seq.block_table, seq.block_hashes, seq.num_committed_blocks, full, seq.tokens)
+            if self.window is not None:
+                self.window.manager.commit(seq.window_table, seq.block_hashes, seq.num_committed_blocks, full,
+                                           seq.tokens)
             seq.num_committed_blocks = full
             if self.checkpoints is not None:
-                self.checkpoints.save_prompt_blocks(self.blocks, seq, full)
+                self.checkpoints.save_prompt_blocks(self.blocks, seq, full, self.window)
 
     def _release_exported(self) -> None:
         """Drop the references held on blocks a checkpoint has finished exporting."""
         if self.checkpoints is not None:
-            for held in self.checkpoints.released():
+            for held, window_held in self.checkpoints.released():
                 self.blocks.free(held)
+                if self.window is not None:
+                    self.window.manager.free(window_held)
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
-        self.blocks.free(seq.block_table)
+        self._free_tables(seq)
         if self.speculative is not None:
             self.speculative.forget(seq)
         if seq in self.running:

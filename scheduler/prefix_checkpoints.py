@@ -81,14 +81,17 @@ class PrefixCheckpoints:
                 found.append(Found(block, value, index))
         return found
 
-    def restore(self, worker, block_ids: Sequence[int], blocks: Sequence[KVBlock]) -> None:
+    def restore(self, worker, block_ids: Sequence[int], blocks: Sequence[KVBlock],
+                window_ids: Sequence[int] | None = None) -> None:
         """Imports found blocks into the given (free) blocks of `worker`'s pool: their stored
-        payloads, back to back, are the block-major array ImportBlocks takes."""
+        payloads, back to back, are the block-major array ImportBlocks takes (`window_ids`: the
+        windowed layers' blocks, -1 where not kept)."""
         if not blocks:
             return
         g = self.geometry
         worker.import_blocks(list(block_ids), [b.payload for b in blocks], g.dtype,
-                             (len(blocks), g.n_layers, *g.layer_shape))
+                             (len(blocks), g.n_layers, *g.layer_shape),
+                             window_ids=list(window_ids) if window_ids is not None else None)
 
     def reject_nonfinite(self, found: Sequence[Found]) -> int:
         """After the worker refused found blocks: rejects (and removes from their store) those

@@ -207,12 +207,14 @@ class WorkerClient:
             return False
 
     # ------------------------------------------------------------------ KV blocks (prefix checkpoints)
-    def export_blocks(self, block_ids: list[int], timeout_s: float = 60.0) -> np.ndarray:
+    def export_blocks(self, block_ids: list[int], timeout_s: float = 60.0,
+                      window_ids: list[int] | None = None) -> np.ndarray:
         """A copy of the blocks' K/V: [blocks, layers, 2, kv_heads, block_size, width] (block i's
-        slice is its stored payload)."""
+        slice is its stored payload); `window_ids`: the same blocks in the windowed layers' pool."""
         try:
             reply = self.stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
-                blocks=worker_pb2.BlockRange(block_ids=block_ids)), timeout=timeout_s,
+                blocks=worker_pb2.BlockRange(block_ids=block_ids),
+                window_blocks=worker_pb2.BlockRange(block_ids=window_ids or [])), timeout=timeout_s,
                 metadata=((TRANSPORT_METADATA_KEY, self.transport), *self.metadata))
         except grpc.RpcError as exc:
             raise self._failure(exc) from None
@@ -223,7 +225,7 @@ class WorkerClient:
             reader.close()
 
     def import_blocks(self, block_ids: list[int], payloads: list, dtype, shape: tuple[int, ...],
-                      timeout_s: float = 60.0) -> None:
+                      timeout_s: float = 60.0, window_ids: list[int] | None = None) -> None:
         """Writes blocks' K/V, given as their stored payloads in order (the block-major array of
         `shape`), into the pool's `block_ids`. One shared-memory arena is kept for imports: a
         restore writes into memory the worker has already mapped."""
@@ -233,7 +235,8 @@ class WorkerClient:
         codec.begin_message()
         try:
             self.stub.ImportBlocks(worker_pb2.ImportBlocksRequest(
-                blocks=worker_pb2.BlockRange(block_ids=block_ids), kv=codec.encode_parts(payloads, dtype, shape)),
+                blocks=worker_pb2.BlockRange(block_ids=block_ids), kv=codec.encode_parts(payloads, dtype, shape),
+                window_block_ids=window_ids or []),
                 timeout=timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise self._failure(exc) from None

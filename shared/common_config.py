@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.blas_threads import set_compute_threads
-from shared.option_kinds import Choice, Kind, Number, Text
+from shared.option_kinds import Choice, Integer, Kind, Number, Text
 from shared.options import ConfigError, Option, Resolved, option, options_of, resolve
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -57,6 +57,15 @@ class ModelOptions(ModelCacheOptions):
 class DrainOptions:
     grace_period: float = option(10.0, "seconds in-flight requests get to finish after SIGTERM or Ctrl-C",
                                  Number(0), aliases=("--shutdown-grace",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchOptions:
+    """The scheduler batches under these; the worker sizes its sliding-window layers' pool from them."""
+    max_num_seqs: int = option(64, "sequences running at once at most (a worker keeps this many sequences' "
+                               "windows for the sliding-window layers of a model such as Gemma 3)", Integer(1))
+    max_num_batched_tokens: int = option(256, "tokens computed per engine step at most (the prefill chunk "
+                                         "budget; on a CPU worker a 256-token chunk is a ~0.4 s step)", Integer(1))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,6 +52,9 @@ class SeqChunk:
     # positions it commits (SeqResult.committed_positions / committed_ids). With score_top_k and
     # no diffusion step, a diffusion model scores each position's own logits.
     diffusion: DiffusionStep | None = None
+    # where the worker keeps its sliding-window layers in a pool of their own: their blocks for the
+    # same positions, -1 for one that has left the window of every query of the chunk
+    window_table: np.ndarray | None = None
 
 
 @dataclass
@@ -61,6 +64,7 @@ class StepRequest:
     # (src, dst) KV blocks to copy, every layer, before the forward: a prompt sharing the first
     # tokens of a cached block continues in a copy of it
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    copy_window_blocks: list[tuple[int, int]] = field(default_factory=list)   # in the windowed layers' pool
     # > 1: decode this many tokens in a row (every chunk one decode token that samples; each block
     # table covering start_pos + num_steps positions), each step's input the token sampled in the
     # one before; the scheduler drops what follows a sequence's stop (vLLM's multi-step scheduling)

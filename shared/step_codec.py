@@ -105,9 +105,13 @@ def step_request_to_proto(request: StepRequest, codec: TensorCodec | None = None
             m.diffusion.block_start, m.diffusion.block_end = int(d.block_start), int(d.block_end)
             m.diffusion.transfer_count = int(d.transfer_count)
             diffusion_params_to_proto(d.params, m.diffusion.params)
+        if c.window_table is not None:
+            codec.encode_into(c.window_table, m.window_block_table)
     msg.finished[:] = [int(s) for s in request.finished]
     for src, dst in request.copy_blocks:
         msg.copy_blocks.add(src=int(src), dst=int(dst))
+    for src, dst in request.copy_window_blocks:
+        msg.copy_window_blocks.add(src=int(src), dst=int(dst))
     return msg
 
 
@@ -129,11 +133,13 @@ def step_request_from_proto(msg: worker_pb2.StepRequest, codec: TensorCodec | No
             diffusion=DiffusionStep(m.diffusion.block_start, m.diffusion.block_end, m.diffusion.transfer_count,
                                     diffusion_params_from_proto(m.diffusion.params))
             if m.HasField("diffusion") else None,
+            window_table=codec.decode(m.window_block_table) if m.HasField("window_block_table") else None,
         )
         for m in msg.chunks
     ]
     return StepRequest(chunks, finished=list(msg.finished),
-                       copy_blocks=[(c.src, c.dst) for c in msg.copy_blocks], num_steps=max(1, msg.num_steps))
+                       copy_blocks=[(c.src, c.dst) for c in msg.copy_blocks], num_steps=max(1, msg.num_steps),
+                       copy_window_blocks=[(c.src, c.dst) for c in msg.copy_window_blocks])
 
 
 # ----------------------------------------------------------------- step result

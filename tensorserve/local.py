@@ -36,13 +36,16 @@ class LocalEngine:
                  speculative: str = "off", num_speculative_tokens: int = 5, prompt_lookup_min: int = 2,
                  prompt_lookup_max: int = 4, speculative_governor: bool = True,
                  draft_model: str | Path | None = None, backend: str = "cpu", device: int = 0,
-                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
-        """`backend`: cpu, cuda or auto (worker/placement.py), on NVML's GPU `device`."""
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, swa_full: bool = False):
+        """`backend`: cpu, cuda or auto (worker/placement.py), on NVML's GPU `device`. `swa_full`:
+        sliding-window layers keep every position in the one pool (worker/kv_pool.py)."""
         self.path = resolve_model(str(model))
         self.runner = ModelRunner(self.path, kv_memory=kv_memory, block_size=block_size,
                                   kv_cache_dtype=kv_cache_dtype, backend=backend, device=device,
                                   gpu_memory_utilization=gpu_memory_utilization,
-                                  draft_model=resolve_model(str(draft_model)) if draft_model else None)
+                                  draft_model=resolve_model(str(draft_model)) if draft_model else None,
+                                  max_num_seqs=None if swa_full else max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens)
         cap = self.runner.capacity
         self.diffusion: DiffusionBatcher | None = None
         self.engine: Engine | None = None
@@ -52,7 +55,8 @@ class LocalEngine:
             self.engine = Engine(self.runner.execute, cap.num_blocks, cap.block_size, cap.max_context,
                                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                  fingerprint=self.runner.config.fingerprint, enable_prefix_caching=enable_prefix_caching,
-                                 num_decode_steps=num_decode_steps,
+                                 num_decode_steps=num_decode_steps, num_window_blocks=cap.num_window_blocks,
+                                 window=cap.window,
                                  speculative=make_controller(speculative, num_speculative_tokens, prompt_lookup_min,
                                                              prompt_lookup_max, speculative_governor))
         self.tokenizer = None

@@ -4,9 +4,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from shared.common_config import (InternalOptions, LoggingOptions, ModelOptions, ModelRef, TransportOptions,
-                                  check_exposure, check_model)
-from shared.option_kinds import Choice, Integer, Number, Port, Size, Text
+from shared.common_config import (BatchOptions, InternalOptions, LoggingOptions, ModelOptions, ModelRef,
+                                  TransportOptions, check_exposure, check_model)
+from shared.option_kinds import Choice, Flag, Integer, Number, Port, Size, Text
 from shared.options import ConfigError, Resolved, option
 from worker.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION
 
@@ -14,7 +14,7 @@ DEFAULT_KV_MEMORY = 512 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerConfig(InternalOptions, TransportOptions, LoggingOptions, ModelOptions):
+class WorkerConfig(InternalOptions, TransportOptions, LoggingOptions, ModelOptions, BatchOptions):
     host: str = option("127.0.0.1", "address the worker listens on", Text(metavar="HOST"), env="TS_WORKER_HOST",
                        internal=True)
     port: int = option(0, "gRPC port of the worker, 0 = a free one (printed)", Port(), env="TS_WORKER_PORT",
@@ -34,6 +34,10 @@ class WorkerConfig(InternalOptions, TransportOptions, LoggingOptions, ModelOptio
                                      "--kv-memory (on a GPU: its free memory × --gpu-memory-utilization less "
                                      "the weights) cannot hold it (default: what the memory and the model allow)",
                                      Integer(1), aliases=("--max-model-len",))
+    swa_full: bool = option(False, "keep every position for sliding-window layers too (llama.cpp's --swa-full); "
+                            "by default a model mixing them with full-attention layers (Gemma 3) keeps their "
+                            "K/V in a pool of their own holding only the window of --max-num-seqs sequences, "
+                            "and the full layers get the rest of --kv-memory", Flag())
     backend: str = option("auto", "kernels backend: auto (cuda where nvidia-ml-py finds a GPU and CuPy imports, "
                           "else cpu, logging why), cpu, or cuda (an error at start without a GPU or CuPy: "
                           "pip install 'tensorserve[cuda]')", Choice("auto", "cpu", "cuda"))
@@ -76,8 +80,12 @@ def check(resolved: Resolved) -> None:
     kv_log = logging.getLogger("worker.kv_pool")
     quiet, kv_log.disabled = kv_log.disabled, True      # the runner logs the plan once it is real
     try:
-        plan_capacity(config, v["kv_memory"], v["block_size"], v["max_context"], v["kv_cache_dtype"])
+        plan_capacity(config, v["kv_memory"], v["block_size"], v["max_context"], v["kv_cache_dtype"],
+                      None if v["swa_full"] else v["max_num_seqs"], v["max_num_batched_tokens"])
     except ValueError:
+        window_seqs = None if v["swa_full"] else v["max_num_seqs"]
+        fits = plan_capacity(config, v["kv_memory"], v["block_size"], None, v["kv_cache_dtype"], window_seqs,
+                             v["max_num_batched_tokens"]).num_tokens
         if v["max_context"] > config.context_length:
             raise ConfigError(f"{resolved.where('max_context')}: exceeds the trained context of {v['model']}, "
                               f"{config.context_length} tokens; accepted: 1..{config.context_length}") from None

@@ -91,7 +91,9 @@ def run(flags: argparse.Namespace) -> int:
         runner = model_thread.submit(ModelRunner, path, backend=args.backend, kv_memory=args.kv_memory,
                                      block_size=args.block_size, max_context=args.max_context,
                                      kv_cache_dtype=args.kv_cache_dtype, draft_model=draft, device=args.device,
-                                     gpu_memory_utilization=args.gpu_memory_utilization).result()
+                                     gpu_memory_utilization=args.gpu_memory_utilization,
+                                     max_num_seqs=None if args.swa_full else args.max_num_seqs,
+                                     max_num_batched_tokens=args.max_num_batched_tokens).result()
     except (TensorServeError, ValueError, OSError) as exc:
         model_thread.shutdown(wait=False)
         print(f"error: {exc}", file=sys.stderr)
@@ -100,8 +102,9 @@ def run(flags: argparse.Namespace) -> int:
     backend = _backend_name(runner.ops)
     log.info("model %s ready in %.1fs: %s, %d layers, vocab %d, backend %s", args.model,
              time.perf_counter() - t0, cfg.architecture, cfg.n_layers, cfg.vocab_size, backend)
-    log.info("KV capacity: %d blocks x %d tokens = %d tokens, max context %d (%s, %s)",
+    log.info("KV capacity: %d blocks x %d tokens = %d tokens, max context %d%s (%s, %s)",
              cap.num_blocks, cap.block_size, cap.num_tokens, cap.max_context,
+             f"; sliding-window layers: {cap.num_window_blocks} blocks of their own" if cap.num_window_blocks else "",
              f"--kv-memory {args.kv_memory} bytes" if backend == "cpu"
              else f"--gpu-memory-utilization {args.gpu_memory_utilization:g}", args.kv_cache_dtype)
     if stop.is_set():

@@ -20,6 +20,7 @@ from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 from worker.config import DEFAULT_KV_MEMORY
 from worker.diffusion.canvas_step import CanvasStep
 from worker.draft_model import DraftModel, check_vocabulary
+from worker import window_tables
 from worker.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION, GpuBudget, weight_bytes
 from worker.kv_pool import DEFAULT_CODEC, KVCapacity, KVPool, plan_capacity
 from worker.models import ForwardInput, model_class
@@ -47,12 +48,15 @@ class ModelRunner:
     def __init__(self, model_path: str | Path, backend: str = "cpu", kv_memory: int = DEFAULT_KV_MEMORY,
                  block_size: int = 16, max_context: int | None = None, kv_cache_dtype: str = DEFAULT_CODEC,
                  draft_model: str | Path | None = None, device: int = 0,
-                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int = 256):
         """`draft_model`: a draft GGUF run beside the target for speculative decoding (its own K/V
         pool, block ids mirroring the target's; worker/draft_model.py); it must share the
         target's vocabulary. `backend`: auto, cpu or cuda (worker/placement.py), `device` the GPU
         (NVML's index) of a cuda one, whose KV pool is sized from its free memory ×
-        `gpu_memory_utilization` less the weights (worker/gpu_memory.py) instead of `kv_memory`."""
+        `gpu_memory_utilization` less the weights (worker/gpu_memory.py) instead of `kv_memory`.
+        `max_num_seqs` (with `max_num_batched_tokens`): size a pool of their own for the sliding-window
+        layers of a model that mixes them with full ones (worker/kv_pool.py); None: one pool."""
         t0 = time.perf_counter()
         self.gguf = GGUFFile(model_path)
         # the architecture first: another architecture's file lacks the metadata keys a config reads
@@ -72,6 +76,7 @@ class ModelRunner:
             budget = GpuBudget(gpu, gpu_memory_utilization, weights)
             log.info("KV pool on the GPU: %s", budget.describe())
             kv_memory = budget.kv_bytes
+            max_num_seqs = None      # the windowed layers' own pool is the CPU kernels' for now
             self.ops = get_backend("cuda", device=cuda_ordinal(gpu.index), capability=gpu.capability)
         else:
             self.ops = get_backend("cpu")
@@ -85,13 +90,16 @@ class ModelRunner:
             self.capacity = KVCapacity(1, block_size, min(self.config.context_length,
                                                           max_context or self.config.context_length))
         else:
-            self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context, kv_cache_dtype)
+            self.capacity = plan_capacity(self.config, kv_memory, block_size, max_context, kv_cache_dtype,
+                                          max_num_seqs, max_num_batched_tokens)
         self.kv = KVPool(self.config, self.capacity, self.ops, kv_cache_dtype)
         self.model.bind_kv(self.kv.caches)
         self.drafter: DraftModel | None = None
         if draft_gguf is not None:
             same = draft_gguf.path.resolve() == self.gguf.path.resolve()
-            self.drafter = DraftModel(draft_gguf, self.ops, self.capacity, kv_cache_dtype,
+            # its windowed layers (if any) keep every position, in blocks mirroring the full layers'
+            self.drafter = DraftModel(draft_gguf, self.ops, replace(self.capacity, num_window_blocks=0, window=0),
+                                      kv_cache_dtype,
                                       shared_model=self.model if same else None)
             log.info("draft model %s (%s, %d layers%s) beside the target, its K/V in %d blocks of its own",
                      draft_gguf.path.name, self.drafter.config.architecture, self.drafter.config.n_layers,
@@ -113,7 +121,7 @@ class ModelRunner:
                 self.drafter.forget(seq_id)
             if self.canvas is not None:
                 self.canvas.forget(seq_id)
-        self.kv.copy_blocks(request.copy_blocks)
+        self.kv.copy_blocks(request.copy_blocks, request.copy_window_blocks)
         chunks = request.chunks
         if not chunks:
             return StepResult([], 0)
@@ -290,7 +298,9 @@ class ModelRunner:
             for c, s, q in zip(chunks, starts, query_lens)])
         for c in chunks:
             self._remember(c)
-        meta = AttentionMetadata(query_lens, context_lens, tables, slots, causal=self.config.causal)
+        windowed = window_tables.chunks_meta(chunks, bs, query_lens, context_lens, positions, self.config.causal) \
+            if self.capacity.num_window_blocks else None
+        meta = AttentionMetadata(query_lens, context_lens, tables, slots, causal=self.config.causal, windowed=windowed)
         return ForwardInput(token_ids, positions, meta, output_rows), output_rows
 
     def _pack_decode(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
@@ -300,7 +310,7 @@ class ModelRunner:
         drafts) becomes one decode row a position, each with its sequence's block table and
         its own context: the pass is then marked rows_share_sequences."""
         bs = self.capacity.block_size
-        tables, columns = [], []
+        tables, columns, windowed = [], [], []
         shared = False
         for c in chunks:
             table = c.block_table.tolist() if isinstance(c.block_table, np.ndarray) else list(c.block_table)
@@ -308,19 +318,24 @@ class ModelRunner:
             if len(table) * bs < end:
                 raise ValueError(f"sequence {c.seq_id}: block table has {len(table)} blocks, "
                                  f"{-(-end // bs)} needed for {end} tokens")
+            window = window_tables.window_table(c, bs, end) if self.capacity.num_window_blocks else None
             tokens = [int(t) for t in c.token_ids]
             shared = shared or len(tokens) > 1
             for j, token in enumerate(tokens):
                 pos = c.start_pos + j
                 block, offset = divmod(pos, bs)
                 tables.append(table)
+                if window is not None:
+                    windowed.append(window)
                 columns.append((pos, pos + 1, table[block] * bs + offset, token, 1, len(columns)))
             self._remember(c, tokens)
         width = max(len(t) for t in tables)
         tables = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
         positions, context_lens, slots, token_ids, ones, rows = np.array(list(zip(*columns)), np.int64)
-        meta = AttentionMetadata.for_decode(context_lens, tables, slots, rows=rows, query_lens=ones,
-                                            rows_share_sequences=shared)
+        meta = AttentionMetadata.for_decode(
+            context_lens, tables, slots, rows=rows, query_lens=ones, rows_share_sequences=shared,
+            windowed=window_tables.decode_meta(windowed, positions, context_lens, rows, ones, bs, shared)
+            if windowed else None)
         return ForwardInput(token_ids, positions, meta, rows), rows
 
     def _remember(self, c: SeqChunk, tokens: list[int] | None = None) -> None:

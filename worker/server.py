@@ -133,10 +133,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _validate(self, step: StepRequest) -> None:
         cap, vocab = self.runner.capacity, self.runner.config.vocab_size
-        for src, dst in step.copy_blocks:
-            if not (0 <= src < cap.num_blocks and 0 <= dst < cap.num_blocks) or src == dst:
-                raise BadStep(f"block copy {src} -> {dst}: block ids must be distinct and lie in "
-                              f"[0, {cap.num_blocks})")
+        for pairs, n, pool in ((step.copy_blocks, cap.num_blocks, ""),
+                               (step.copy_window_blocks, cap.num_window_blocks, "windowed layers' ")):
+            for src, dst in pairs:
+                if not (0 <= src < n and 0 <= dst < n) or src == dst:
+                    raise BadStep(f"{pool}block copy {src} -> {dst}: block ids must be distinct and lie in "
+                                  f"[0, {n})")
         seen = set()
         for c in step.chunks:
             where = f"sequence {c.seq_id}"
@@ -165,6 +167,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise BadStep(f"{where}: block ids must lie in [0, {cap.num_blocks}), got "
                               f"{int(table.min())}..{int(table.max())}")
             end = c.start_pos + tokens.size
+            if cap.num_window_blocks:
+                self._validate_window_table(c, where, end)
             if c.start_pos < 0 or end > cap.max_context:
                 raise BadStep(f"{where}: positions {c.start_pos}..{end - 1} are outside this worker's "
                               f"context of {cap.max_context} tokens")
@@ -197,6 +201,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except ValueError as exc:
                     raise BadStep(f"{where}: {exc}") from None
 
+    def _validate_window_table(self, c, where: str, end: int) -> None:
+        """The windowed layers' table of a chunk: as long as its block table, and a block of that pool
+        (not -1) wherever the chunk's queries read or write."""
+        cap = self.runner.capacity
+        if c.window_table is None:
+            if self.runner.config.causal:
+                raise BadStep(f"{where}: this worker keeps its sliding-window layers in a pool of their own; "
+                              "the chunk needs a window_block_table")
+            return
+        table = np.asarray(c.window_table)
+        if table.ndim != 1 or table.size != np.asarray(c.block_table).size or (table.size and table.dtype.kind not in "iu"):
+            raise BadStep(f"{where}: window_block_table must be a 1-D integer array as long as block_table")
+        first = max(0, c.start_pos - cap.window + 1) // cap.block_size
+        live = table[first:-(-end // cap.block_size)]
+        if live.size and (live.min() < 0 or live.max() >= cap.num_window_blocks):
+            raise BadStep(f"{where}: windowed block ids must lie in [0, {cap.num_window_blocks}) from block "
+                          f"{first} on, got {int(live.min())}..{int(live.max())}")
+        if table.size and table.max() >= cap.num_window_blocks:
+            raise BadStep(f"{where}: windowed block ids must lie below {cap.num_window_blocks}")
+
     # ------------------------------------------------------------------ RPCs
     def Describe(self, request, context):
         cfg, cap = self.runner.config, self.runner.capacity
@@ -206,7 +230,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_context=cap.max_context, n_layers=cfg.n_layers, backend=self.backend,
             hostname=self.hostname, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
             kv_cache_dtype=block_transfer.pool_dtype_name(self.runner.kv), draft_model=self.draft_model_name,
-            diffusion=not cfg.causal, mask_token_id=cfg.mask_token_id, context_length=cfg.context_length)
+            diffusion=not cfg.causal, mask_token_id=cfg.mask_token_id, context_length=cfg.context_length,
+            num_window_blocks=cap.num_window_blocks, window=cap.window)
 
     def Step(self, request, context):
         with self._lock:
@@ -301,7 +326,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """The K/V of the listed blocks, every layer; through shared memory to a peer on this host."""
         try:
             kv = self._model_thread.submit(block_transfer.export_blocks, self.runner.kv,
-                                           list(request.blocks.block_ids)).result()
+                                           list(request.blocks.block_ids),
+                                           list(request.window_blocks.block_ids)).result()
         except block_transfer.BlockTransferError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ExportBlocks: {exc}")
         with self._transfer_lock:       # one export at a time writes the arena (valid until the next one)
@@ -316,7 +342,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             # the pool is its only copy
             kv = self._viewer.decode(request.kv)
             self._model_thread.submit(block_transfer.import_blocks, self.runner.kv, list(request.blocks.block_ids),
-                                      kv).result()
+                                      kv, list(request.window_block_ids)).result()
         except (block_transfer.BlockTransferError, ValueError, OSError) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ImportBlocks: {exc}")
         return worker_pb2.ImportBlocksResponse()

@@ -174,21 +174,31 @@ class GraphRecorder:
             self.rope_bases.append(key)
         return self.emit(ROPE, x.shape, x, ints=(self.rope_bases.index(key), n_dims, int(bool(neox)), x.shape[2]))
 
+    def _pool_of(self, meta) -> int | None:
+        """0: the pass's metadata, 1: its windowed layers' pool (AttentionMetadata.windowed), None: other."""
+        if meta is self.meta:
+            return 0
+        return 1 if meta is not None and meta is self.meta.windowed else None
+
     def store_kv(self, k_cache: np.ndarray, v_cache: np.ndarray, k: Value, v: Value, slot_mapping) -> None:
-        if id(k_cache) not in self.cache_index or slot_mapping is not self.meta.slot_mapping:
+        pool = 0 if slot_mapping is self.meta.slot_mapping else \
+            1 if self.meta.windowed is not None and slot_mapping is self.meta.windowed.slot_mapping else None
+        if id(k_cache) not in self.cache_index or pool is None:
             raise Unsupported("a store into an unknown cache or other slots")
-        self.pending_kv[id(k_cache)] = (k, v, v_cache)
+        self.pending_kv[id(k_cache)] = (k, v, v_cache, pool)
 
     def paged_attention(self, q: Value, k_cache: np.ndarray, v_cache: np.ndarray, meta, scale: float,
                         window: int = 0) -> Value:
         stored = self.pending_kv.pop(id(k_cache), None)
-        if meta is not self.meta or stored is None or stored[2] is not v_cache:
+        pool = self._pool_of(meta)
+        if pool is None or stored is None or stored[2] is not v_cache or stored[3] != pool:
             raise Unsupported("attention over a cache this pass did not store into")
-        k, v, _ = stored
+        k, v = stored[:2]
         if q.col0 != 0 or len(q.shape) != 3:
             raise Unsupported("queries that do not start their buffer's rows")
         self.caches += [k_cache, v_cache]
-        return self.emit(ATTENTION, q.shape, q, k, v, ints=(len(self.caches) // 2 - 1, int(window)),
+        # ints: the cache, the window, and 1 where the block tables and slots are the windowed pool's
+        return self.emit(ATTENTION, q.shape, q, k, v, ints=(len(self.caches) // 2 - 1, int(window), pool),
                          params=(float(scale),), space=SHARED)
 
     def swiglu(self, gate: Value, up: Value) -> Value:

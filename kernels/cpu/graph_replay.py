@@ -86,7 +86,7 @@ if available():
 
     @njit(parallel=True, cache=True, nogil=True)
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, mats,
-                norms, caches, rope_cos, rope_sin, tables, ctx, slots,
+                norms, caches, rope_cos, rope_sin, tables, ctx, slots, window_tables, window_slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes,
                 positions, token_ids, embedding, f16, output, result, wait_prefetch, greedy, best,
                 stamps, steps, rows_share):  # pragma: no cover
@@ -94,7 +94,9 @@ if available():
         rows' greedy tokens are written to steps[s] and become the next pass's input one position on
         (its K/V slot from the block tables); a NaN or infinite logit (-1) ends the passes there.
         `rows_share`: some rows are positions of one sequence (a verification chunk's), each reading
-        the K/V of those before it, so every attention stores all rows' K/V and meets first."""
+        the K/V of those before it, so every attention stores all rows' K/V and meets first.
+        `window_tables`, `window_slots`: the block tables and slots of the sliding-window layers' own
+        pool, for the attentions marked so (ops[i, 7]); `tables` and `slots` where it has none."""
         timed = stamps.shape[0] > 0     # stamps[th, 1 + i]: (op i starts, its meeting starts); see Replay.cycle_log
         n_steps = max(1, steps.shape[0])
         block_size = caches[0, 3] if caches.shape[0] > 0 and n_steps > 1 else 1
@@ -133,13 +135,14 @@ if available():
                                            wait_prefetch):
                             break
                     elif code == ATTENTION:
+                        at_tables, at_slots = (window_tables, window_slots) if ops[i, 7] else (tables, slots)
                         if rows_share:
-                            _store_kv(i, ops, values, rows, th, n_threads, shared, own, caches, slots)
+                            _store_kv(i, ops, values, rows, th, n_threads, shared, own, caches, at_slots)
                             met += 1
                             if not _meet(sync, n_threads, met, sync, 0, 0):
                                 break
-                        _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                                   slots, not rows_share)
+                        _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, at_tables,
+                                   ctx, at_slots, not rows_share)
                         met += 1
                         if timed:
                             stamps[th, i + 1, 1] = _cycles()
@@ -190,6 +193,8 @@ if available():
                             positions[r] += 1
                             ctx[r] += 1
                             slots[r] = tables[r, positions[r] // block_size] * block_size + positions[r] % block_size
+                            window_slots[r] = (window_tables[r, positions[r] // block_size] * block_size
+                                               + positions[r] % block_size)   # the same arrays where no pool
                 if timed:
                     stamps[th, ops.shape[0] + 2, 0] = stamps[th, ops.shape[0] + 2, 1] = _cycles()
                 if s + 1 < n_steps:
@@ -280,6 +285,8 @@ class Replay:
             self.shared[start:start + rows * width] = backend.embedding(p.embedding, inp.token_ids).reshape(-1)
         meta = inp.attention
         tables, ctx = meta.decode_tables[1:]
+        window_tables, window_slots = (meta.windowed.decode_tables[1], meta.windowed.slot_mapping) \
+            if meta.windowed is not None else (tables, meta.slot_mapping)
         if p.rope_bases and p.caches:
             # a position is below its row's blocks * block size; the angles held serve every position below their size
             max_pos = tables.shape[1] * p.caches[0].shape[2]
@@ -295,7 +302,8 @@ class Replay:
             self.cycle_log.append(stamps)
         _replay(p.ops, p.params, p.values, rows, self.n_threads, self.shared, self.private, self.sync,
                 self.mats, self.norms, self.caches,
-                self.rope_cos, self.rope_sin, tables, ctx, meta.slot_mapping, *self.scratch,
+                self.rope_cos, self.rope_sin, tables, ctx, meta.slot_mapping, window_tables, window_slots,
+                *self.scratch,
                 self.next_matrix, self.prefetch_bytes, inp.positions, inp.token_ids, self.embedding, get_rows.F16,
                 p.output, result, self.wait_prefetch, greedy, self.best, stamps, step_tokens, rows_share)
         if self.sync[3]:
@@ -353,7 +361,7 @@ def warm_up() -> None:
     sync = np.zeros(SYNC_CLAIMS + n, np.int64)
     sync[2] = spin_barrier.SPIN_LIMIT
     _replay(ops, np.ones((1, 2)), values, 1, n, np.ones(16, np.float32), np.zeros((n, 16), np.float32), sync,
-            *tables, *rope, *attention, *scratch, np.full(1, -1, np.int64), 0,
+            *tables, *rope, *attention, attention[0], attention[2], *scratch, np.full(1, -1, np.int64), 0,
             np.zeros(1, np.int64), np.zeros(1, np.int64), _read_only(np.zeros(0, np.uint8)), get_rows.F16, 1,
             np.zeros((1, 16), np.float32), 0, np.zeros(0, np.int64), np.zeros((n, 1, 3), np.float64),
             np.zeros((0, 0, 2), np.int64), np.zeros((0, 0), np.int64), False)

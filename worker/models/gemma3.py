@@ -70,8 +70,9 @@ class Gemma3Model(Model):
             qk = ops.rope(qk, inp.positions, c.layer_rope_base(il), c.rope_dims, c.rope_neox)
             q, k = qk[:, :c.n_heads], qk[:, c.n_heads:]
             k_cache, v_cache = self.kv_caches[il]
-            ops.store_kv(k_cache, v_cache, k, v, inp.attention.slot_mapping)
-            attn = ops.paged_attention(q, k_cache, v_cache, inp.attention, self.query_scale, c.layer_window(il))
+            meta = inp.attention.for_layer(c.layer_window(il))   # its own pool where windowed
+            ops.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta, self.query_scale, c.layer_window(il))
             attn = attn.reshape(attn.shape[0], -1)
             if il == c.n_layers - 1:
                 attn, x = attn[inp.output_rows], x[inp.output_rows]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.tensorserve.v1 import common_pb2 as tensorserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorserve/v1/worker.proto\x12\x0etensorserve.v1\x1a\x1btensorserve/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xea\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x10\n\x08n_layers\x18\x08 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x10\n\x08hostname\x18\n \x01(\t\x12\x10\n\x08kv_heads\x18\x0b \x01(\r\x12\x10\n\x08head_dim\x18\x0c \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\r \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x0e \x01(\t\x12\x11\n\tdiffusion\x18\x0f \x01(\x08\x12\x15\n\rmask_token_id\x18\x10 \x01(\x03\x12\x16\n\x0e\x63ontext_length\x18\x11 \x01(\r\"\xcc\x03\n\x08SeqChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12\x11\n\tstart_pos\x18\x03 \x01(\x03\x12+\n\x0b\x62lock_table\x18\x04 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12\x12\n\nprompt_len\x18\x05 \x01(\x03\x12\x0e\n\x06sample\x18\x06 \x01(\x08\x12.\n\x06params\x18\x07 \x01(\x0b\x32\x1e.tensorserve.v1.SamplingParams\x12\x13\n\x0bscore_top_k\x18\x08 \x01(\r\x12/\n\nprefix_ids\x18\t \x01(\x0b\x32\x16.tensorserve.v1.TensorH\x00\x88\x01\x01\x12\x32\n\rscore_targets\x18\n \x01(\x0b\x32\x16.tensorserve.v1.TensorH\x01\x88\x01\x01\x12\x11\n\tnum_draft\x18\x0b \x01(\r\x12\x35\n\tdiffusion\x18\x0c \x01(\x0b\x32\x1d.tensorserve.v1.DiffusionStepH\x02\x88\x01\x01\x42\r\n\x0b_prefix_idsB\x10\n\x0e_score_targetsB\x0c\n\n_diffusion\"\x80\x01\n\rDiffusionStep\x12\x13\n\x0b\x62lock_start\x18\x01 \x01(\x03\x12\x11\n\tblock_end\x18\x02 \x01(\x03\x12\x16\n\x0etransfer_count\x18\x03 \x01(\x03\x12/\n\x06params\x18\x04 \x01(\x0b\x32\x1f.tensorserve.v1.DiffusionParams\"\x9d\x01\n\x0bStepRequest\x12(\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x18.tensorserve.v1.SeqChunk\x12\x10\n\x08\x66inished\x18\x02 \x03(\x03\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12.\n\x0b\x63opy_blocks\x18\x04 \x03(\x0b\x32\x19.tensorserve.v1.BlockCopy\x12\x11\n\tnum_steps\x18\x05 \x01(\r\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x8c\x03\n\tSeqResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\'\n\x07top_ids\x18\x04 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12,\n\x0ctop_logprobs\x18\x05 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12)\n\tscore_ids\x18\x06 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12.\n\x0escore_logprobs\x18\x07 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12\x35\n\x15score_target_logprobs\x18\x08 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12\x14\n\x0c\x61\x63\x63\x65pted_ids\x18\t \x03(\x03\x12\x19\n\x11\x61\x63\x63\x65pted_logprobs\x18\n \x03(\x01\x12\x1b\n\x13\x63ommitted_positions\x18\x0b \x03(\x03\x12\x15\n\rcommitted_ids\x18\x0c \x03(\x03\"\x90\x01\n\x0cStepResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.tensorserve.v1.SeqResult\x12\x17\n\x0ftokens_computed\x18\x02 \x01(\x04\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12*\n\x05later\x18\x04 \x03(\x0b\x32\x1b.tensorserve.v1.StepResults\"9\n\x0bStepResults\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.tensorserve.v1.SeqResult\"\x1f\n\nBlockRange\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"A\n\x13\x45xportBlocksRequest\x12*\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x1a.tensorserve.v1.BlockRange\"@\n\x14\x45xportBlocksResponse\x12\"\n\x02kv\x18\x02 \x01(\x0b\x32\x16.tensorserve.v1.TensorJ\x04\x08\x01\x10\x02\"k\n\x13ImportBlocksRequest\x12*\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x1a.tensorserve.v1.BlockRange\x12\"\n\x02kv\x18\x03 \x01(\x0b\x32\x16.tensorserve.v1.TensorJ\x04\x08\x02\x10\x03\"\x16\n\x14ImportBlocksResponse2\x9d\x03\n\x06Worker\x12M\n\x08\x44\x65scribe\x12\x1f.tensorserve.v1.DescribeRequest\x1a .tensorserve.v1.DescribeResponse\x12\x41\n\x04Step\x12\x1b.tensorserve.v1.StepRequest\x1a\x1c.tensorserve.v1.StepResponse\x12K\n\nStepStream\x12\x1b.tensorserve.v1.StepRequest\x1a\x1c.tensorserve.v1.StepResponse(\x01\x30\x01\x12Y\n\x0c\x45xportBlocks\x12#.tensorserve.v1.ExportBlocksRequest\x1a$.tensorserve.v1.ExportBlocksResponse\x12Y\n\x0cImportBlocks\x12#.tensorserve.v1.ImportBlocksRequest\x1a$.tensorserve.v1.ImportBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btensorserve/v1/worker.proto\x12\x0etensorserve.v1\x1a\x1btensorserve/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x95\x03\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x10\n\x08n_layers\x18\x08 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x10\n\x08hostname\x18\n \x01(\t\x12\x10\n\x08kv_heads\x18\x0b \x01(\r\x12\x10\n\x08head_dim\x18\x0c \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\r \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x0e \x01(\t\x12\x11\n\tdiffusion\x18\x0f \x01(\x08\x12\x15\n\rmask_token_id\x18\x10 \x01(\x03\x12\x16\n\x0e\x63ontext_length\x18\x11 \x01(\r\x12\x19\n\x11num_window_blocks\x18\x12 \x01(\r\x12\x0e\n\x06window\x18\x13 \x01(\r\"\x9c\x04\n\x08SeqChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12\x11\n\tstart_pos\x18\x03 \x01(\x03\x12+\n\x0b\x62lock_table\x18\x04 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12\x12\n\nprompt_len\x18\x05 \x01(\x03\x12\x0e\n\x06sample\x18\x06 \x01(\x08\x12.\n\x06params\x18\x07 \x01(\x0b\x32\x1e.tensorserve.v1.SamplingParams\x12\x13\n\x0bscore_top_k\x18\x08 \x01(\r\x12/\n\nprefix_ids\x18\t \x01(\x0b\x32\x16.tensorserve.v1.TensorH\x00\x88\x01\x01\x12\x32\n\rscore_targets\x18\n \x01(\x0b\x32\x16.tensorserve.v1.TensorH\x01\x88\x01\x01\x12\x11\n\tnum_draft\x18\x0b \x01(\r\x12\x35\n\tdiffusion\x18\x0c \x01(\x0b\x32\x1d.tensorserve.v1.DiffusionStepH\x02\x88\x01\x01\x12\x37\n\x12window_block_table\x18\r \x01(\x0b\x32\x16.tensorserve.v1.TensorH\x03\x88\x01\x01\x42\r\n\x0b_prefix_idsB\x10\n\x0e_score_targetsB\x0c\n\n_diffusionB\x15\n\x13_window_block_table\"\x80\x01\n\rDiffusionStep\x12\x13\n\x0b\x62lock_start\x18\x01 \x01(\x03\x12\x11\n\tblock_end\x18\x02 \x01(\x03\x12\x16\n\x0etransfer_count\x18\x03 \x01(\x03\x12/\n\x06params\x18\x04 \x01(\x0b\x32\x1f.tensorserve.v1.DiffusionParams\"\xd4\x01\n\x0bStepRequest\x12(\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x18.tensorserve.v1.SeqChunk\x12\x10\n\x08\x66inished\x18\x02 \x03(\x03\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12.\n\x0b\x63opy_blocks\x18\x04 \x03(\x0b\x32\x19.tensorserve.v1.BlockCopy\x12\x11\n\tnum_steps\x18\x05 \x01(\r\x12\x35\n\x12\x63opy_window_blocks\x18\x06 \x03(\x0b\x32\x19.tensorserve.v1.BlockCopy\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\x8c\x03\n\tSeqResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12\'\n\x07top_ids\x18\x04 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12,\n\x0ctop_logprobs\x18\x05 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12)\n\tscore_ids\x18\x06 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12.\n\x0escore_logprobs\x18\x07 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12\x35\n\x15score_target_logprobs\x18\x08 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12\x14\n\x0c\x61\x63\x63\x65pted_ids\x18\t \x03(\x03\x12\x19\n\x11\x61\x63\x63\x65pted_logprobs\x18\n \x03(\x01\x12\x1b\n\x13\x63ommitted_positions\x18\x0b \x03(\x03\x12\x15\n\rcommitted_ids\x18\x0c \x03(\x03\"\x90\x01\n\x0cStepResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.tensorserve.v1.SeqResult\x12\x17\n\x0ftokens_computed\x18\x02 \x01(\x04\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12*\n\x05later\x18\x04 \x03(\x0b\x32\x1b.tensorserve.v1.StepResults\"9\n\x0bStepResults\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.tensorserve.v1.SeqResult\"\x1f\n\nBlockRange\x12\x11\n\tblock_ids\x18\x01 \x03(\r\"t\n\x13\x45xportBlocksRequest\x12*\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x1a.tensorserve.v1.BlockRange\x12\x31\n\rwindow_blocks\x18\x02 \x01(\x0b\x32\x1a.tensorserve.v1.BlockRange\"@\n\x14\x45xportBlocksResponse\x12\"\n\x02kv\x18\x02 \x01(\x0b\x32\x16.tensorserve.v1.TensorJ\x04\x08\x01\x10\x02\"\x85\x01\n\x13ImportBlocksRequest\x12*\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x1a.tensorserve.v1.BlockRange\x12\"\n\x02kv\x18\x03 \x01(\x0b\x32\x16.tensorserve.v1.Tensor\x12\x18\n\x10window_block_ids\x18\x04 \x03(\x03J\x04\x08\x02\x10\x03\"\x16\n\x14ImportBlocksResponse2\x9d\x03\n\x06Worker\x12M\n\x08\x44\x65scribe\x12\x1f.tensorserve.v1.DescribeRequest\x1a .tensorserve.v1.DescribeResponse\x12\x41\n\x04Step\x12\x1b.tensorserve.v1.StepRequest\x1a\x1c.tensorserve.v1.StepResponse\x12K\n\nStepStream\x12\x1b.tensorserve.v1.StepRequest\x1a\x1c.tensorserve.v1.StepResponse(\x01\x30\x01\x12Y\n\x0c\x45xportBlocks\x12#.tensorserve.v1.ExportBlocksRequest\x1a$.tensorserve.v1.ExportBlocksResponse\x12Y\n\x0cImportBlocks\x12#.tensorserve.v1.ImportBlocksRequest\x1a$.tensorserve.v1.ImportBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=76
   _globals['_DESCRIBEREQUEST']._serialized_end=93
   _globals['_DESCRIBERESPONSE']._serialized_start=96
-  _globals['_DESCRIBERESPONSE']._serialized_end=458
-  _globals['_SEQCHUNK']._serialized_start=461
-  _globals['_SEQCHUNK']._serialized_end=921
-  _globals['_DIFFUSIONSTEP']._serialized_start=924
-  _globals['_DIFFUSIONSTEP']._serialized_end=1052
-  _globals['_STEPREQUEST']._serialized_start=1055
-  _globals['_STEPREQUEST']._serialized_end=1212
-  _globals['_BLOCKCOPY']._serialized_start=1214
-  _globals['_BLOCKCOPY']._serialized_end=1251
-  _globals['_SEQRESULT']._serialized_start=1254
-  _globals['_SEQRESULT']._serialized_end=1650
-  _globals['_STEPRESPONSE']._serialized_start=1653
-  _globals['_STEPRESPONSE']._serialized_end=1797
-  _globals['_STEPRESULTS']._serialized_start=1799
-  _globals['_STEPRESULTS']._serialized_end=1856
-  _globals['_BLOCKRANGE']._serialized_start=1858
-  _globals['_BLOCKRANGE']._serialized_end=1889
-  _globals['_EXPORTBLOCKSREQUEST']._serialized_start=1891
-  _globals['_EXPORTBLOCKSREQUEST']._serialized_end=1956
-  _globals['_EXPORTBLOCKSRESPONSE']._serialized_start=1958
-  _globals['_EXPORTBLOCKSRESPONSE']._serialized_end=2022
-  _globals['_IMPORTBLOCKSREQUEST']._serialized_start=2024
-  _globals['_IMPORTBLOCKSREQUEST']._serialized_end=2131
-  _globals['_IMPORTBLOCKSRESPONSE']._serialized_start=2133
-  _globals['_IMPORTBLOCKSRESPONSE']._serialized_end=2155
-  _globals['_WORKER']._serialized_start=2158
-  _globals['_WORKER']._serialized_end=2571
+  _globals['_DESCRIBERESPONSE']._serialized_end=501
+  _globals['_SEQCHUNK']._serialized_start=504
+  _globals['_SEQCHUNK']._serialized_end=1044
+  _globals['_DIFFUSIONSTEP']._serialized_start=1047
+  _globals['_DIFFUSIONSTEP']._serialized_end=1175
+  _globals['_STEPREQUEST']._serialized_start=1178
+  _globals['_STEPREQUEST']._serialized_end=1390
+  _globals['_BLOCKCOPY']._serialized_start=1392
+  _globals['_BLOCKCOPY']._serialized_end=1429
+  _globals['_SEQRESULT']._serialized_start=1432
+  _globals['_SEQRESULT']._serialized_end=1828
+  _globals['_STEPRESPONSE']._serialized_start=1831
+  _globals['_STEPRESPONSE']._serialized_end=1975
+  _globals['_STEPRESULTS']._serialized_start=1977
+  _globals['_STEPRESULTS']._serialized_end=2034
+  _globals['_BLOCKRANGE']._serialized_start=2036
+  _globals['_BLOCKRANGE']._serialized_end=2067
+  _globals['_EXPORTBLOCKSREQUEST']._serialized_start=2069
+  _globals['_EXPORTBLOCKSREQUEST']._serialized_end=2185
+  _globals['_EXPORTBLOCKSRESPONSE']._serialized_start=2187
+  _globals['_EXPORTBLOCKSRESPONSE']._serialized_end=2251
+  _globals['_IMPORTBLOCKSREQUEST']._serialized_start=2254
+  _globals['_IMPORTBLOCKSREQUEST']._serialized_end=2387
+  _globals['_IMPORTBLOCKSRESPONSE']._serialized_start=2389
+  _globals['_IMPORTBLOCKSRESPONSE']._serialized_end=2411
+  _globals['_WORKER']._serialized_start=2414
+  _globals['_WORKER']._serialized_end=2827
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "fingerprint", "vocab_size", "num_blocks", "block_size", "max_context", "n_layers", "backend", "hostname", "kv_heads", "head_dim", "kv_cache_dtype", "draft_model", "diffusion", "mask_token_id", "context_length")
+    __slots__ = ("model_name", "architecture", "fingerprint", "vocab_size", "num_blocks", "block_size", "max_context", "n_layers", "backend", "hostname", "kv_heads", "head_dim", "kv_cache_dtype", "draft_model", "diffusion", "mask_token_id", "context_length", "num_window_blocks", "window")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class DescribeResponse(_message.Message):
     DIFFUSION_FIELD_NUMBER: _ClassVar[int]
     MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     fingerprint: str
@@ -47,10 +49,12 @@ class DescribeResponse(_message.Message):
     diffusion: bool
     mask_token_id: int
     context_length: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., draft_model: _Optional[str] = ..., diffusion: _Optional[bool] = ..., mask_token_id: _Optional[int] = ..., context_length: _Optional[int] = ...) -> None: ...
+    num_window_blocks: int
+    window: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., n_layers: _Optional[int] = ..., backend: _Optional[str] = ..., hostname: _Optional[str] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., draft_model: _Optional[str] = ..., diffusion: _Optional[bool] = ..., mask_token_id: _Optional[int] = ..., context_length: _Optional[int] = ..., num_window_blocks: _Optional[int] = ..., window: _Optional[int] = ...) -> None: ...
 
 class SeqChunk(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids", "score_targets", "num_draft", "diffusion")
+    __slots__ = ("seq_id", "token_ids", "start_pos", "block_table", "prompt_len", "sample", "params", "score_top_k", "prefix_ids", "score_targets", "num_draft", "diffusion", "window_block_table")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +67,7 @@ class SeqChunk(_message.Message):
     SCORE_TARGETS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
     DIFFUSION_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _common_pb2.Tensor
     start_pos: int
@@ -75,7 +80,8 @@ class SeqChunk(_message.Message):
     score_targets: _common_pb2.Tensor
     num_draft: int
     diffusion: DiffusionStep
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_targets: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft: _Optional[int] = ..., diffusion: _Optional[_Union[DiffusionStep, _Mapping]] = ...) -> None: ...
+    window_block_table: _common_pb2.Tensor
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., start_pos: _Optional[int] = ..., block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., score_top_k: _Optional[int] = ..., prefix_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., score_targets: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft: _Optional[int] = ..., diffusion: _Optional[_Union[DiffusionStep, _Mapping]] = ..., window_block_table: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DiffusionStep(_message.Message):
     __slots__ = ("block_start", "block_end", "transfer_count", "params")
@@ -90,18 +96,20 @@ class DiffusionStep(_message.Message):
     def __init__(self, block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., transfer_count: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.DiffusionParams, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("chunks", "finished", "step_id", "copy_blocks", "num_steps")
+    __slots__ = ("chunks", "finished", "step_id", "copy_blocks", "num_steps", "copy_window_blocks")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     COPY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COPY_WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[SeqChunk]
     finished: _containers.RepeatedScalarFieldContainer[int]
     step_id: int
     copy_blocks: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     num_steps: int
-    def __init__(self, chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., step_id: _Optional[int] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    copy_window_blocks: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[SeqChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., step_id: _Optional[int] = ..., copy_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_steps: _Optional[int] = ..., copy_window_blocks: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
@@ -164,10 +172,12 @@ class BlockRange(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExportBlocksRequest(_message.Message):
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "window_blocks")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     blocks: BlockRange
-    def __init__(self, blocks: _Optional[_Union[BlockRange, _Mapping]] = ...) -> None: ...
+    window_blocks: BlockRange
+    def __init__(self, blocks: _Optional[_Union[BlockRange, _Mapping]] = ..., window_blocks: _Optional[_Union[BlockRange, _Mapping]] = ...) -> None: ...
 
 class ExportBlocksResponse(_message.Message):
     __slots__ = ("kv",)
@@ -176,12 +186,14 @@ class ExportBlocksResponse(_message.Message):
     def __init__(self, kv: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ImportBlocksRequest(_message.Message):
-    __slots__ = ("blocks", "kv")
+    __slots__ = ("blocks", "kv", "window_block_ids")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     blocks: BlockRange
     kv: _common_pb2.Tensor
-    def __init__(self, blocks: _Optional[_Union[BlockRange, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    window_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, blocks: _Optional[_Union[BlockRange, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., window_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ImportBlocksResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,44 @@
+"""The sliding-window layers' own block tables (worker/kv_pool.py: a pool of their own where the model
+mixes windowed and full layers): a step's chunks carry them beside the full layers' tables, and the
+forward reads and writes those layers through the AttentionMetadata built here (its `windowed`)."""
+from __future__ import annotations
+
+import numpy as np
+
+from kernels import AttentionMetadata
+from shared.step import SeqChunk
+
+
+def window_table(c: SeqChunk, block_size: int, end: int) -> list[int]:
+    """The chunk's windowed-pool table as a list covering `end` positions; blocks that have left the
+    window (-1) read as block 0, which the attention never reaches (it starts at the window)."""
+    if c.window_table is None:
+        raise ValueError(f"sequence {c.seq_id}: the worker keeps its sliding-window layers in a pool of their "
+                         "own and the chunk has no window_block_table")
+    table = [max(0, int(b)) for b in c.window_table]
+    if len(table) * block_size < end:
+        raise ValueError(f"sequence {c.seq_id}: window block table has {len(table)} blocks, "
+                         f"{-(-end // block_size)} needed for {end} tokens")
+    return table
+
+
+def chunks_meta(chunks: list[SeqChunk], block_size: int, query_lens: np.ndarray, context_lens: np.ndarray,
+                positions: np.ndarray, causal: bool) -> AttentionMetadata:
+    """A packed prefill-or-mixed pass's metadata in the windowed pool."""
+    lists = [window_table(c, block_size, int(n)) for c, n in zip(chunks, context_lens)]
+    tables = np.zeros((len(chunks), max(len(t) for t in lists)), np.int32)
+    for i, t in enumerate(lists):
+        tables[i, :len(t)] = t
+    seq_index = np.repeat(np.arange(len(chunks)), query_lens)
+    slots = tables[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return AttentionMetadata(query_lens, context_lens, tables, slots, causal=causal)
+
+
+def decode_meta(tables: list[list[int]], positions: np.ndarray, context_lens: np.ndarray, rows: np.ndarray,
+                ones: np.ndarray, block_size: int, rows_share_sequences: bool) -> AttentionMetadata:
+    """A decode pass's metadata in the windowed pool: `tables`, one per row."""
+    width = max(len(t) for t in tables)
+    packed = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
+    slots = packed[rows, positions // block_size] * block_size + positions % block_size
+    return AttentionMetadata.for_decode(context_lens, packed, slots, rows=rows, query_lens=ones,
+                                        rows_share_sequences=rows_share_sequences)
