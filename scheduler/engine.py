@@ -22,11 +22,10 @@ from typing import Callable
 
 import numpy as np
 
-from scheduler.block_manager import BlockManager
 from scheduler.checkpoint_tier import CheckpointTier
 from scheduler.sequence import Sequence, Status
 from scheduler.speculative.controller import SpeculativeController
-from scheduler.window_blocks import WindowBlocks
+from scheduler.kv_tables import KVTables
 from shared.step import SeqChunk, StepRequest, StepResult
 
 log = logging.getLogger(__name__)
@@ -59,8 +58,8 @@ class Engine:
         self.executor = executor
         self.submit = submit
         self._in_flight: _Launched | None = None
-        self.blocks = BlockManager(num_blocks, block_size, fingerprint)
-        self.window = WindowBlocks(num_window_blocks, block_size, window, fingerprint) if num_window_blocks else None
+        self.tables = KVTables(num_blocks, block_size, fingerprint, num_window_blocks, window)
+        self.blocks, self.window = self.tables.blocks, self.tables.window
         self.max_context = max_context
         self.max_num_batched_tokens = max_num_batched_tokens
         # a step that carries decodes takes at most this many prompt tokens: the decodes'
@@ -76,10 +75,6 @@ class Engine:
         self.preempted: list[Sequence] = []            # resumed before any waiting one, oldest first
         self.running: list[Sequence] = []
         self._finished_ids: list[int] = []
-        self._copies: list[tuple[int, int]] = []       # KV block copies for the next launched step
-        self._copy_sources: list[int] = []             # their source blocks, held until then
-        self._window_copies: list[tuple[int, int]] = []     # the same in the windowed layers' pool
-        self._window_copy_sources: list[int] = []
         self.num_preemptions = 0                       # since start: sequences sent back to recompute
         self.checkpoints = checkpoints if enable_prefix_caching else None
         self.restored_tokens = 0                       # since start: prompt tokens restored from the stores
@@ -112,8 +107,8 @@ class Engine:
         plan: list[tuple[Sequence, int]] = []
         planned: set[int] = set()
         bs = self.blocks.block_size
-        self._slide_windows(self.running)
-        free = self.num_free
+        self.tables.slide(self.running)
+        free = self.tables.num_free
 
         def need(seq: Sequence, n: int) -> int:
             return max(0, self.blocks.blocks_needed(seq.num_computed + n) - len(seq.block_table))
@@ -170,12 +165,9 @@ class Engine:
                 break
             seq = queue[0]
             hits, partial = self._cached_prefix(seq)
-            held = hits + [partial[0]] if partial else hits
             start = len(hits) * bs + (partial[1] if partial else 0)
             n = min(seq.num_tokens - start, budget)
-            cost = self.blocks.blocks_needed(start + n) - len(hits) + self.blocks.count_unheld(held)
-            if self.window is not None:                # and in the windowed layers' pool
-                cost = max(cost, self._window_admission_cost(seq, hits, partial, start + n))
+            cost = self.tables.admission_cost(seq, hits, partial, start + n)
             if cost > free:
                 break                                  # no skipping ahead: nobody starves
             queue.remove(seq) if queue is self.preempted else queue.popleft()
@@ -185,30 +177,8 @@ class Engine:
             free -= cost
             budget -= n
         for seq, n in plan:
-            self._grow(seq, seq.num_computed + n)
+            self.tables.grow(seq, seq.num_computed + n)
         return plan
-
-    @property
-    def num_free(self) -> int:
-        """Blocks a new table entry can take: in both pools where the windowed layers have their own."""
-        return self.blocks.num_free if self.window is None else min(self.blocks.num_free, self.window.num_free)
-
-    def _grow(self, seq: Sequence, n_tokens: int) -> None:
-        self.blocks.grow(seq.block_table, n_tokens)
-        if self.window is not None:
-            self.window.grow(seq, n_tokens)
-
-    def _slide_windows(self, seqs: list[Sequence]) -> None:
-        """Release the windowed blocks that left the window of each sequence's next position."""
-        if self.window is not None:
-            for seq in seqs:
-                self.window.slide(seq)
-
-    def _window_admission_cost(self, seq: Sequence, hits: list[int], partial: tuple[int, int] | None,
-                               end: int) -> int:
-        first, window_hits = self.window.hits(seq.block_hashes, len(hits))
-        held = window_hits + [self.window.block_for(self.blocks.blocks[partial[0]].hash)] if partial else window_hits
-        return (self.blocks.blocks_needed(end) - len(hits) + self.window.manager.count_unheld(held))
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], tuple[int, int] | None]:
         """Cached blocks a new sequence can start from, leaving at least one token to compute (its
@@ -227,34 +197,19 @@ class Engine:
             if restored:
                 self.restored_tokens += restored * bs
                 hits = self.blocks.lookup(seq.block_hashes[:n_blocks])
-        if self.window is not None:                    # the windowed pool must hold the window after them
-            hits = hits[:self.window.usable_hits(seq.block_hashes, len(hits))]
+        hits = self.tables.usable_hits(seq, hits)
         partial = None
         start = len(hits) * bs
         limit = min(bs - 1, seq.num_tokens - 1 - start)
         if hits and limit > 0:
-            partial = self.blocks.partial_lookup(seq.block_hashes[len(hits) - 1], seq.tokens[start:start + limit])
-            if partial is not None and self.window is not None \
-                    and self.window.block_for(self.blocks.blocks[partial[0]].hash) is None:
-                partial = None
+            partial = self.tables.partial_usable(
+                self.blocks.partial_lookup(seq.block_hashes[len(hits) - 1], seq.tokens[start:start + limit]))
         return hits, partial
 
     def _admit(self, seq: Sequence, hits: list[int], partial: tuple[int, int] | None = None) -> None:
-        self.blocks.acquire(seq.block_table, hits)
-        if self.window is not None:
-            self.window.admit(seq, *self.window.hits(seq.block_hashes, len(hits)))
+        self.tables.admit(seq, hits, partial)          # with a copy of a partially shared block's first tokens
         seq.num_committed_blocks = len(hits)            # cached blocks are registered already
-        seq.num_computed = len(hits) * self.blocks.block_size
-        if partial is not None:                        # continue in a copy of a cached block's first tokens
-            src, n = partial
-            self.blocks.acquire(self._copy_sources, [src])   # held until the copy is launched
-            self._grow(seq, seq.num_computed + 1)
-            self._copies.append((src, seq.block_table[-1]))
-            if self.window is not None:
-                window_src = self.window.block_for(self.blocks.blocks[src].hash)
-                self.window.manager.acquire(self._window_copy_sources, [window_src])
-                self._window_copies.append((window_src, seq.window_table[-1]))
-            seq.num_computed += n
+        seq.num_computed = len(hits) * self.blocks.block_size + (partial[1] if partial else 0)
         seq.send_prefix = seq.num_computed > 0
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = seq.num_computed
@@ -267,8 +222,8 @@ class Engine:
     def _preempt(self, seq: Sequence) -> int:
         """Release a running sequence's blocks and queue it for recompute; returns how many more
         blocks a new table entry can take (num_free)."""
-        before = self.num_free
-        self._free_tables(seq)
+        before = self.tables.num_free
+        self.tables.free(seq)
         self.running.remove(seq)
         if self.speculative is not None:
             self.speculative.forget(seq)
@@ -282,12 +237,7 @@ class Engine:
         self.preempted.sort(key=lambda s: s.arrival)
         log.info("KV blocks exhausted: preempted sequence %d (%d tokens, recomputed later; %d preemptions so far)",
                  seq.seq_id, seq.num_tokens, self.num_preemptions)
-        return self.num_free - before
-
-    def _free_tables(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
-        if self.window is not None:
-            self.window.free(seq)
+        return self.tables.num_free - before
 
     # ------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -333,20 +283,18 @@ class Engine:
                     *(self.max_context - seq.num_tokens for seq, _ in plan))
         need = sum(max(0, self.blocks.blocks_needed(seq.num_computed + steps) - len(seq.block_table))
                    for seq, _ in plan)
-        if steps <= 1 or need > self.num_free:
+        if steps <= 1 or need > self.tables.num_free:
             return 1
         for seq, _ in plan:
-            self._grow(seq, seq.num_computed + steps)
+            self.tables.grow(seq, seq.num_computed + steps)
         return steps
 
     def _launch(self, plan: list[tuple[Sequence, int]], steps: int = 1, drafting: bool = False) -> _Launched:
         chunks = [self._chunk(seq, n) for seq, n in plan]
-        request = StepRequest(chunks, finished=self._finished_ids, copy_blocks=self._copies, num_steps=steps,
-                              copy_window_blocks=self._window_copies)
-        self._finished_ids, self._copies, self._window_copies = [], [], []
-        self.blocks.free(self._copy_sources)          # the worker copies them before any later step runs
-        if self.window is not None:
-            self.window.manager.free(self._window_copy_sources)
+        copies, window_copies = self.tables.take_copies()
+        request = StepRequest(chunks, finished=self._finished_ids, copy_blocks=copies, num_steps=steps,
+                              copy_window_blocks=window_copies)
+        self._finished_ids = []
         for seq, n in plan:
             seq.num_computed += n + steps - 1          # in flight: the worker is computing them
         if self.submit is not None:
@@ -370,12 +318,12 @@ class Engine:
             return None                                # someone is mid-prefill: schedule normally
         seqs = [s for s in seqs if len(s.output) + 2 <= s.params.max_tokens and s.num_tokens + 2 <= self.max_context]
         # the windowed blocks the running step still reads are only taken by steps after it
-        self._slide_windows(seqs)
+        self.tables.slide(seqs)
         need = sum(max(0, self.blocks.blocks_needed(s.num_computed + 1) - len(s.block_table)) for s in seqs)
-        if not seqs or need > self.num_free or len(seqs) > self.max_num_batched_tokens:
+        if not seqs or need > self.tables.num_free or len(seqs) > self.max_num_batched_tokens:
             return None
         for s in seqs:
-            self._grow(s, s.num_computed + 1)
+            self.tables.grow(s, s.num_computed + 1)
         if self.speculative is not None:               # drafting is paused here: see if it would pay
             self.speculative.shadow(seqs, len(self.running))
         return [(s, 1) for s in seqs]
@@ -468,10 +416,7 @@ class Engine:
         full = computed // self.blocks.block_size
         if full > seq.num_committed_blocks and self.enable_prefix_caching:
             self.blocks.extend_hashes(seq.block_hashes, seq.tokens, full)
-            self.blocks.commit(seq.block_table, seq.block_hashes, seq.num_committed_blocks, full, seq.tokens)
-            if self.window is not None:
-                self.window.manager.commit(seq.window_table, seq.block_hashes, seq.num_committed_blocks, full,
-                                           seq.tokens)
+            self.tables.commit(seq, full)
             seq.num_committed_blocks = full
             if self.checkpoints is not None:
                 self.checkpoints.save_prompt_blocks(self.blocks, seq, full, self.window)
@@ -486,7 +431,7 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
-        self._free_tables(seq)
+        self.tables.free(seq)
         if self.speculative is not None:
             self.speculative.forget(seq)
         if seq in self.running:
