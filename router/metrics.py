@@ -73,6 +73,10 @@ class RouterMetrics:
         self.kv_usage = Gauge("tensorserve_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1)", registry=r)
         self.kv_blocks_total = Gauge("tensorserve_kv_blocks_total", "KV blocks in the worker's pool", registry=r)
         self.kv_blocks_free = Gauge("tensorserve_kv_blocks_free", "KV blocks free", registry=r)
+        self.kv_window_blocks_total = Gauge("tensorserve_kv_window_blocks_total", "KV blocks in the sliding-window "
+                                            "layers' own pool (0: the worker keeps one pool)", registry=r)
+        self.kv_window_blocks_free = Gauge("tensorserve_kv_window_blocks_free",
+                                           "KV blocks free in the sliding-window layers' own pool", registry=r)
         self.preempted = Gauge("tensorserve_num_requests_preempted",
                                "Sequences preempted and waiting to be recomputed", registry=r)
         self.kv_blocks_cached = Gauge("tensorserve_kv_blocks_cached",
@@ -193,6 +197,8 @@ class RouterMetrics:
         self.kv_usage.set(stats.kv_used_fraction)
         self.kv_blocks_total.set(stats.kv_blocks_total)
         self.kv_blocks_free.set(stats.kv_blocks_free)
+        self.kv_window_blocks_total.set(stats.kv_window_blocks_total)
+        self.kv_window_blocks_free.set(stats.kv_window_blocks_free)
         self.preempted.set(stats.preempted)
         self.kv_blocks_cached.set(stats.kv_blocks_cached)
         for name, counter in self.totals.items():

@@ -19,6 +19,10 @@ def engine_stats(engine) -> scheduler_pb2.StatsResponse:
         s.prefix_cache_hit_tokens = e.blocks.hit_tokens
         s.preemptions = e.num_preemptions
         s.kv_used_fraction = (total - free) / total if total else 0.0
+        if e.window is not None:           # the windowed layers' own pool (scheduler/window_blocks.py)
+            w_total, w_free = e.window.manager.num_blocks, e.window.num_free
+            s.kv_window_blocks_total, s.kv_window_blocks_free = w_total, w_free
+            s.kv_used_fraction = max(s.kv_used_fraction, (w_total - w_free) / w_total)
         s.block_size, s.max_context = e.blocks.block_size, e.max_context
         if e.checkpoints is not None:
             s.checkpoints.CopyFrom(checkpoint_stats(e))

@@ -162,6 +162,10 @@ def test_serve_restores_a_checkpointed_prefix_into_both_pools_after_a_restart(tm
         assert cold["prompt_tokens"] > 1500 and cold["tokens"] == expected[0]
         warm = complete(info, LONG + question[1])               # a prefix hit in the pool
         assert warm["cached"] > 1400 and warm["tokens"] == expected[1]
+        metrics = httpx.get(f"http://{info['http']}/metrics", timeout=10).text
+        total = [float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("tensorserve_kv_window_blocks_total ")]
+        assert total and total[0] > 0                          # /metrics shows the windowed pool
     finally:
         assert stop(proc, timeout=60) == 0
     # checkpoints written by a windowed stack, restored by a new one
