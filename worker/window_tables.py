@@ -15,7 +15,7 @@ def window_table(c: SeqChunk, block_size: int, end: int) -> list[int]:
     if c.window_table is None:
         raise ValueError(f"sequence {c.seq_id}: the worker keeps its sliding-window layers in a pool of their "
                          "own and the chunk has no window_block_table")
-    table = [max(0, int(b)) for b in c.window_table]
+    table = np.maximum(np.asarray(c.window_table), 0).tolist()   # one pass, not a Python loop a block
     if len(table) * block_size < end:
         raise ValueError(f"sequence {c.seq_id}: window block table has {len(table)} blocks, "
                          f"{-(-end // block_size)} needed for {end} tokens")
