@@ -87,13 +87,13 @@ class AttentionMetadata:
                 np.ascontiguousarray(self.context_lens[seqs], dtype=np.int64))
 
     @functools.cached_property
-    def row_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """(block table as int64, context length as int64) of every packed row, causal: the row at
-        position p of its sequence sees p + 1 tokens."""
+    def row_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(block table as int64, context length as int64, sequence) of every packed row, causal:
+        the row at position p of its sequence sees p + 1 tokens."""
         seq_of_row = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
         rows_before_end = np.arange(len(seq_of_row)) - (self.row_starts + self.query_lens)[seq_of_row]
         return (np.ascontiguousarray(self.block_tables[seq_of_row], dtype=np.int64),
-                (self.context_lens[seq_of_row] + 1 + rows_before_end).astype(np.int64))
+                (self.context_lens[seq_of_row] + 1 + rows_before_end).astype(np.int64), seq_of_row)
 
 
 class Backend(Protocol):

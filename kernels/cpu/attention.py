@@ -35,10 +35,10 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, met
     with the rounding of ggml's CPU backend and its f16 KV cache: queries and the softmax in
     float16."""
     if rowwise and meta.causal and decode_attention.available():
-        tables, ctx = meta.row_tables
+        tables, ctx, sequences = meta.row_tables
         return decode_attention.decode_attention(decode_attention.half_queries(q), k_cache, v_cache,
                                                  tables, ctx, scale, window, parallel=compiled,
-                                                 half_probabilities=True)
+                                                 half_probabilities=True, sequences=sequences)
     starts = meta.row_starts
     rows, tables, ctx = meta.decode_tables
     if len(rows) == q.shape[0]:                # a pure decode pass: no row gather or scatter

@@ -31,7 +31,10 @@ import types
 import numpy as np
 
 from kernels.cpu import kv_codecs
-from kernels.cpu.elementwise import round_to_half, softmax_numerators
+from kernels.cpu.elementwise import exp_shifted, round_to_half, row_max, softmax_numerators
+
+SPLIT_KEYS = 4096   # a row that sees this many keys or more takes them in two parts (split_point)
+ROW_TILE = 16       # rows of one sequence that share each decoded block (decode_attention's sequences)
 
 try:
     from numba import njit, prange
@@ -45,17 +48,37 @@ def available() -> bool:
 
 def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: np.ndarray,
                      ctx: np.ndarray, scale: float, window: int, parallel: bool = True,
-                     half_probabilities: bool = False) -> np.ndarray:
-    """q [B, heads, d] -> [B, heads, d]; sequence b's query sits at position ctx[b] - 1.
+                     half_probabilities: bool = False, sequences: np.ndarray | None = None) -> np.ndarray:
+    """q [B, heads, d] -> [B, heads, d]; row b's query sits at position ctx[b] - 1.
     `parallel=False` runs on the calling thread only (passes whose products use OpenBLAS's threads).
     `half_probabilities`: the normalised softmax is rounded to float16 before it weights the values,
-    as ggml's CPU backend converts it for the product with an f16 V cache."""
+    as ggml's CPU backend converts it for the product with an f16 V cache. `sequences`: row b's
+    sequence (default: each row its own); rows of one sequence at consecutive positions (a prompt
+    chunk's, whose block tables agree) are taken ROW_TILE at a time by attend_rows, each block
+    decoded once for them all, each row's result attend's for it alone."""
+    ctx = np.ascontiguousarray(ctx, dtype=np.int64)
+    starts = row_tiles(np.arange(len(ctx)) if sequences is None else np.asarray(sequences), ctx, ROW_TILE)
     out = np.empty(q.shape, np.float32)
     (_kernel if parallel else _serial_kernel)(np.ascontiguousarray(q, dtype=np.float32), kv_codecs.raw(k_cache),
             kv_codecs.raw(v_cache), kv_codecs.codec_of(k_cache),
-            np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(ctx, dtype=np.int64),
+            np.ascontiguousarray(tables, dtype=np.int64), ctx, starts,
             np.float32(scale), int(window), bool(half_probabilities), out)
     return out
+
+
+def row_tiles(sequences: np.ndarray, ctx: np.ndarray, tile: int) -> np.ndarray:
+    """Starts of the row tiles (and len(ctx) last): runs of at most `tile` rows of one sequence
+    at consecutive positions."""
+    n = len(ctx)
+    if n == 0:
+        return np.zeros(1, np.int64)
+    same = np.ones(n, bool)
+    same[0] = False
+    if n > 1:
+        same[1:] = (ctx[1:] == ctx[:-1] + 1) & (sequences[1:] == sequences[:-1])
+    run_start = np.maximum.accumulate(np.where(~same, np.arange(n), 0))
+    first = ~same | ((np.arange(n) - run_start) % tile == 0)
+    return np.append(np.flatnonzero(first), n).astype(np.int64)
 
 
 def half_queries(q: np.ndarray) -> np.ndarray:
@@ -77,25 +100,81 @@ def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv
     faster with it (two runs each way, both models), the replayed decode rows 1-2 % slower
     (in-process A/Bs): their keys come from memory, not from cache. Rows are indexed, not taken as
     views: a view is a reference count (an atomic add) in the inner loops; on an Emerald Rapids Xeon
-    9 heads at 60 keys took 25 kcycles with views, 17 without, the same results."""
+    9 heads at 60 keys took 25 kcycles with views, 17 without, the same results.
+    A row that sees SPLIT_KEYS keys or more takes them in two parts (split_point), merged."""
     dim = q.shape[2]
     first_head = kv * (out.shape[1] // k_cache.shape[0]) + g0   # q may hold more heads after out's (K's)
     group = g1 - g0
+    lo = max(0, n - window) if window > 0 else 0
+    mid = split_point(n, window, k_cache.shape[2])
+    acc = np.empty((2, group, dim), np.float32)
+    maxes = np.empty((2, group), np.float32)
+    totals = np.empty((2, group), np.float32)
+    if mid < 0:
+        attend_part(q, k_cache, v_cache, codec, table, lo, n, scale, half, b, kv, first_head, group, by_four, acc[0],
+                    maxes[0], totals[0])
+        for g in range(group):
+            inv = np.float32(1.0) if half else np.float32(1.0) / totals[0, g]
+            for d in range(dim):
+                out[b, first_head + g, d] = acc[0, g, d] * inv
+        return
+    attend_part(q, k_cache, v_cache, codec, table, lo, mid, scale, half, b, kv, first_head, group, by_four, acc[0],
+                maxes[0], totals[0])
+    attend_part(q, k_cache, v_cache, codec, table, mid, n, scale, half, b, kv, first_head, group, by_four, acc[1],
+                maxes[1], totals[1])
+    for g in range(group):
+        merge_parts(acc[:, g], maxes[:, g], totals[:, g], half, out[b, first_head + g])
+
+
+def split_point(n, window, block_size):  # pragma: no cover - numba
+    """The first key of the second part of the keys seen by the query at position n - 1, or -1
+    where it takes them in one. Long rows are split so that two threads can share one row's keys
+    (Gemma 3 has one KV head: split by query heads, both threads read every key); the split is
+    a function of the row alone, so every path (a row alone or batched, replayed or not,
+    verification rows) sums the same parts. At a block boundary: a part's four-key passes are
+    then those of the whole row."""
+    lo = max(0, n - window) if window > 0 else 0
+    if n - lo < SPLIT_KEYS:
+        return -1
+    return (lo + (n - lo) // 2) // block_size * block_size
+
+
+def merge_parts(acc, maxes, totals, half, out):  # pragma: no cover - numba
+    """out[:] = one head's attention from its two parts' states (acc [2, dim], maxes [2], totals
+    [2]: attend_part's), as flash-decoding merges split keys: each part rescaled by exp(its
+    maximum - the larger one). With `half` a part's acc is already divided by its total."""
+    top = max(maxes[0], maxes[1])
+    scales = np.empty(2, np.float32)
+    scales[0], scales[1] = maxes[0], maxes[1]
+    exp_shifted(scales, top, np.empty(2, np.int32))
+    denominator = totals[0] * scales[0] + totals[1] * scales[1]
+    w0, w1 = scales[0], scales[1]
+    if half:
+        w0, w1 = totals[0] * scales[0], totals[1] * scales[1]
+    inv = np.float32(1.0) / denominator
+    for d in range(out.shape[0]):
+        out[d] = (acc[0, d] * w0 + acc[1, d] * w1) * inv
+
+
+def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, first_head, group, by_four,
+                acc_out, maxes, totals):  # pragma: no cover
+    """The keys lo <= k < hi of the query q[b] (all visible to it) for its query heads
+    first_head <= h < first_head + group, those of KV head kv: acc_out [group, dim] the values weighted by exp(score - maxes[g]), totals[g] the
+    sum of those weights; with `half` the weights are first divided by their total and rounded to
+    float16 (acc_out then the part's own attention)."""
+    dim = q.shape[2]
     block_size = k_cache.shape[2]
-    lo = 0
-    if window > 0:
-        lo = max(0, n - window)          # keys k with p - window < k <= p, p = n - 1
-    span = n - lo
+    span = hi - lo
     scores = np.empty((group, span), np.float32)
     qs = np.empty((group, dim), np.float32)
     keys = np.empty((block_size, dim), np.float32)       # one block's keys (then values), decoded
     for g in range(group):
         for d in range(dim):
             qs[g, d] = q[b, first_head + g, d] * scale
-    first_block, end_block = lo // block_size, (n + block_size - 1) // block_size
+    first_block, end_block = lo // block_size, (hi + block_size - 1) // block_size
     for blk in range(first_block, end_block):     # one block's keys at a time
         base = blk * block_size
-        j, stop = max(lo, base) - base, min(n, base + block_size) - base
+        j, stop = max(lo, base) - base, min(hi, base + block_size) - base
         _decode_rows(k_cache, kv, table[blk], j, stop, codec, keys)
         while by_four and j + 4 <= stop:          # four keys a pass over the query: four sums in flight
             at = base + j - lo
@@ -115,21 +194,20 @@ def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv
                 for d in range(dim):
                     acc += qs[g, d] * keys[j, d]
                 scores[g, base + j - lo] = acc
-    totals = np.empty(group, np.float32)
     bits = np.empty(span, np.int32)
     for g in range(group):
+        maxes[g] = row_max(scores[g])
         totals[g] = softmax_numerators(scores[g], bits)
         if half:
             inv_total = np.float32(1.0) / totals[g]
             for j in range(span):
                 scores[g, j] *= inv_total
             round_to_half(scores[g])
-            totals[g] = np.float32(1.0)
-    acc_out = np.zeros((group, dim), np.float32)
+    acc_out[:, :] = np.float32(0.0)
     values = keys
     for blk in range(first_block, end_block):
         base = blk * block_size
-        j0, stop = max(lo, base) - base, min(n, base + block_size) - base
+        j0, stop = max(lo, base) - base, min(hi, base + block_size) - base
         _decode_rows(v_cache, kv, table[blk], j0, stop, codec, values)
         for g in range(group):
             j = j0
@@ -144,11 +222,6 @@ def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv
                 w = scores[g, base + j - lo]
                 for d in range(dim):
                     acc_out[g, d] += w * values[j, d]
-    for g in range(group):
-        inv = np.float32(1.0) / totals[g]
-        for d in range(dim):
-            out[b, first_head + g, d] = acc_out[g, d] * inv
-
 
 
 def _keys_in_block(n, window, base, block_size):  # pragma: no cover - numba
@@ -211,22 +284,28 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
                     for d in range(dim):
                         acc += qs[r, g, d] * keys[j, d]
                     row_scores[g, at0 + base + j - lo] = acc
-    totals = np.empty((n_rows, group), np.float32)
+    totals = np.empty((n_rows, 2, group), np.float32)
+    maxes = np.empty((n_rows, 2, group), np.float32)
     for r in range(n_rows):
         n = ctx[b0 + r]
         lo = max(0, n - window) if window > 0 else 0
-        span, at0 = n - lo, lo - lo_all
-        bits = np.empty(span, np.int32)
-        for g in range(group):
-            row = scores[r, g, at0:at0 + span]
-            totals[r, g] = softmax_numerators(row, bits)
-            if half:
-                inv_total = np.float32(1.0) / totals[r, g]
-                for j in range(span):
-                    row[j] *= inv_total
-                round_to_half(row)
-                totals[r, g] = np.float32(1.0)
-    acc_out = np.zeros((n_rows, group, dim), np.float32)
+        mid = split_point(n, window, block_size)
+        at0 = lo - lo_all
+        for part in range(1 if mid < 0 else 2):
+            start = at0 if part == 0 else at0 + mid - lo
+            stop = at0 + (n - lo if mid < 0 or part == 1 else mid - lo)
+            span = stop - start
+            bits = np.empty(span, np.int32)
+            for g in range(group):
+                row = scores[r, g, start:stop]
+                maxes[r, part, g] = row_max(row)
+                totals[r, part, g] = softmax_numerators(row, bits)
+                if half:
+                    inv_total = np.float32(1.0) / totals[r, part, g]
+                    for j in range(span):
+                        row[j] *= inv_total
+                    round_to_half(row)
+    acc_out = np.zeros((n_rows, 2, group, dim), np.float32)
     values = keys
     for blk in range(first_block, end_block):
         base = blk * block_size
@@ -236,9 +315,11 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
             lo, j0, stop = _keys_in_block(ctx[b0 + r], window, base, block_size)
             if j0 >= stop:
                 continue
+            mid = split_point(ctx[b0 + r], window, block_size)
+            part = 1 if 0 <= mid <= base else 0          # mid is a block's first key
             at0 = lo - lo_all
             for g in range(group):
-                weights, acc = scores[r, g], acc_out[r, g]
+                weights, acc = scores[r, g], acc_out[r, part, g]
                 j = j0
                 while by_four and j + 4 <= stop:
                     at = at0 + base + j - lo
@@ -252,27 +333,40 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
                     for d in range(dim):
                         acc[d] += w * values[j, d]
     for r in range(n_rows):
+        if split_point(ctx[b0 + r], window, block_size) >= 0:
+            for g in range(group):
+                merge_parts(acc_out[r, :, g], maxes[r, :, g], totals[r, :, g], half, out[b0 + r, first_head + g])
+            continue
         for g in range(group):
-            inv = np.float32(1.0) / totals[r, g]
+            inv = np.float32(1.0) if half else np.float32(1.0) / totals[r, 0, g]
             for d in range(dim):
-                out[b0 + r, first_head + g, d] = acc_out[r, g, d] * inv
+                out[b0 + r, first_head + g, d] = acc_out[r, 0, g, d] * inv
 
 
-def _decode_attention(q, k_cache, v_cache, codec, tables, ctx, scale, window, half, out):  # pragma: no cover - numba
-    n_seqs = q.shape[0]
+def _decode_attention(q, k_cache, v_cache, codec, tables, ctx, starts, scale, window, half, out):  # pragma: no cover - numba
+    n_tiles = starts.shape[0] - 1
     n_kv = k_cache.shape[0]
-    for task in prange(n_seqs * n_kv):
-        # rows taken from both ends in turn (0, B-1, 1, B-2, ...): the threads get contiguous
+    group = q.shape[1] // n_kv
+    for task in prange(n_tiles * n_kv):
+        # row tiles taken from both ends in turn (0, T-1, 1, T-2, ...): the threads get contiguous
         # ranges of tasks, and a prompt chunk's rows grow in context from first to last
         i = task // n_kv
-        b = i // 2 if i % 2 == 0 else n_seqs - 1 - i // 2
-        attend(q, k_cache, v_cache, codec, tables[b], ctx[b], scale, window, half, out, b, task % n_kv, 0,
-               q.shape[1] // n_kv, True)
+        t = i // 2 if i % 2 == 0 else n_tiles - 1 - i // 2
+        r0, r1 = starts[t], starts[t + 1]
+        if r1 - r0 == 1:
+            attend(q, k_cache, v_cache, codec, tables[r0], ctx[r0], scale, window, half, out, r0, task % n_kv, 0,
+                   group, True)
+        else:
+            attend_rows(q, k_cache, v_cache, codec, tables[r0], ctx, scale, window, half, out, r0, r1, task % n_kv,
+                        0, group, True)
 
 
 if available():
     _decode_rows = kv_codecs.decode_rows
     _keys_in_block = njit(inline="always")(_keys_in_block)
+    split_point = njit(inline="always")(split_point)
+    merge_parts = njit(fastmath=True, cache=True, nogil=True)(merge_parts)
+    attend_part = njit(fastmath=True, cache=True, nogil=True)(attend_part)
     attend = njit(fastmath=True, cache=True, nogil=True)(attend)
     attend_rows = njit(fastmath=True, cache=True, nogil=True)(attend_rows)
 _kernel = njit(parallel=True, fastmath=True, cache=True, nogil=True)(_decode_attention) if available() else None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import kv_codecs
+from kernels.cpu import decode_attention, kv_codecs
 from kernels.cpu.elementwise import exp_shifted, round_to_half, row_max
 
 try:
@@ -72,16 +72,7 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, tables: n
 def row_tiles(sequences: np.ndarray, ctx: np.ndarray) -> np.ndarray:
     """Starts of the row tiles (and len(ctx) last): runs of at most ROW_TILE rows of one sequence
     at consecutive positions."""
-    n = len(ctx)
-    if n == 0:
-        return np.zeros(1, np.int64)
-    same = np.ones(n, bool)
-    same[0] = False
-    if n > 1:
-        same[1:] = (ctx[1:] == ctx[:-1] + 1) & (sequences[1:] == sequences[:-1])
-    run_start = np.maximum.accumulate(np.where(~same, np.arange(n), 0))
-    first = ~same | ((np.arange(n) - run_start) % ROW_TILE == 0)
-    return np.append(np.flatnonzero(first), n).astype(np.int64)
+    return decode_attention.row_tiles(sequences, ctx, ROW_TILE)
 
 
 def attend_rows(q, k_cache, v_cache, codec, table, r0, r1, n0, scale, window, out, kv, g0, g1):  # pragma: no cover

@@ -81,22 +81,24 @@ if available():
     _rms_norm_row, _swiglu_row = elementwise.rms_norm_row, elementwise.swiglu_row
     _gelu_row = elementwise.gelu_tanh_gate_row
     _f32_2d = addresses.f32_2d
-    from kernels.cpu.replay_ops import (_attention, _matmul, _meet_ahead, _output, _prefetch_start, _rope,
-                                        _row, _store_kv)
+    from kernels.cpu.replay_ops import (_attention, _matmul, _meet_ahead, _merge_attention, _output,
+                                        _prefetch_start, _rope, _row, _store_kv)
 
     @njit(parallel=True, cache=True, nogil=True)
     def _replay(ops, params, values, rows, n_threads, shared, private, sync, mats,
                 norms, caches, rope_cos, rope_sin, tables, ctx, slots, window_tables, window_slots,
                 x_s, qx_s, dx_s, sx_s, qsum_s, qbias_s, bits_s, next_matrix, prefetch_bytes,
                 positions, token_ids, embedding, f16, output, result, wait_prefetch, greedy, best,
-                stamps, steps, rows_share):  # pragma: no cover
+                stamps, steps, rows_share, partials):  # pragma: no cover
         """One decode pass, or with steps (int64 [n, rows], n > 1) n passes in a row: after each, the
         rows' greedy tokens are written to steps[s] and become the next pass's input one position on
         (its K/V slot from the block tables); a NaN or infinite logit (-1) ends the passes there.
         `rows_share`: some rows are positions of one sequence (a verification chunk's), each reading
         the K/V of those before it, so every attention stores all rows' K/V and meets first.
         `window_tables`, `window_slots`: the block tables and slots of the sliding-window layers' own
-        pool, for the attentions marked so (ops[i, 7]); `tables` and `slots` where it has none."""
+        pool, for the attentions marked so (ops[i, 7]); `tables` and `slots` where it has none.
+        `partials`: float32 [rows, 4 * widest attention output], the states of rows whose keys an
+        attention takes in two parts, merged after a meeting."""
         timed = stamps.shape[0] > 0     # stamps[th, 1 + i]: (op i starts, its meeting starts); see Replay.cycle_log
         n_steps = max(1, steps.shape[0])
         block_size = caches[0, 3] if caches.shape[0] > 0 and n_steps > 1 else 1
@@ -141,8 +143,13 @@ if available():
                             met += 1
                             if not _meet(sync, n_threads, met, sync, 0, 0):
                                 break
-                        _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, at_tables,
-                                   ctx, at_slots, not rows_share)
+                        if _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches,
+                                      at_tables, ctx, at_slots, not rows_share, partials):
+                            met += 1
+                            if not _meet(sync, n_threads, met, sync, 0, 0):
+                                break
+                            _merge_attention(i, ops, values, rows, th, n_threads, shared, own, caches, ctx,
+                                             partials)
                         met += 1
                         if timed:
                             stamps[th, i + 1, 1] = _cycles()
@@ -224,6 +231,8 @@ class Replay:
                         np.zeros((n, 2 * rows * groups), np.float32), np.zeros((n, rows * groups), np.float32),
                         np.zeros((n, 2 * rows * groups), np.int32), np.zeros((n, 2 * rows * groups), np.int32),
                         np.zeros((n, int(p.values[:, 4].max())), np.int32))
+        attention_widths = [int(p.values[op[1], 4]) for op in p.ops if op[0] == ATTENTION]
+        self.partials = np.zeros((rows, 4 * max(attention_widths, default=0)), np.float32)
         self.mats = _matrix_table(p.matrices)
         self.norms = _table([(_address(w), *w.shape) for w in p.norms], 3)
         self.caches = _table([(_address(kv_codecs.raw(c)), *kv_codecs.raw(c).shape, kv_codecs.codec_of(c))
@@ -305,7 +314,8 @@ class Replay:
                 self.rope_cos, self.rope_sin, tables, ctx, meta.slot_mapping, window_tables, window_slots,
                 *self.scratch,
                 self.next_matrix, self.prefetch_bytes, inp.positions, inp.token_ids, self.embedding, get_rows.F16,
-                p.output, result, self.wait_prefetch, greedy, self.best, stamps, step_tokens, rows_share)
+                p.output, result, self.wait_prefetch, greedy, self.best, stamps, step_tokens, rows_share,
+                self.partials)
         if self.sync[3]:
             backend.embedding(p.embedding, inp.token_ids)           # raises the IndexError that names the id
             raise IndexError(f"a token id of {inp.token_ids.tolist()} is out of the embedding's range")
@@ -364,4 +374,4 @@ def warm_up() -> None:
             *tables, *rope, *attention, attention[0], attention[2], *scratch, np.full(1, -1, np.int64), 0,
             np.zeros(1, np.int64), np.zeros(1, np.int64), _read_only(np.zeros(0, np.uint8)), get_rows.F16, 1,
             np.zeros((1, 16), np.float32), 0, np.zeros(0, np.int64), np.zeros((n, 1, 3), np.float64),
-            np.zeros((0, 0, 2), np.int64), np.zeros((0, 0), np.int64), False)
+            np.zeros((0, 0, 2), np.int64), np.zeros((0, 0), np.int64), False, np.zeros((1, 0), np.float32))

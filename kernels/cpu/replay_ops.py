@@ -45,6 +45,8 @@ if njit is not None and int8_matmul.available():
     _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
     _attend_rows = decode_attention.attend_rows
+    _attend_part, _merge_parts = decode_attention.attend_part, decode_attention.merge_parts
+    _split_point = decode_attention.split_point
     _encode_row, _values_in = kv_codecs.encode_row, kv_codecs.values_in
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
     _u8, _f32, _u8_4d = addresses.u8, addresses.f32, addresses.u8_4d
@@ -120,7 +122,7 @@ if njit is not None and int8_matmul.available():
 
     @njit(inline="always")
     def _attention(i, ops, params, values, rows, th, n_threads, shared, own, caches, tables, ctx,
-                   slots, store):  # pragma: no cover - compiled
+                   slots, store, partials):  # pragma: no cover - compiled
         """Each thread takes a contiguous share of the (row, query head) pairs (split by KV heads,
         one thread did all of Gemma 3's attention: it has one) and, with `store`, stores the K/V
         its heads need in the pool's codec as the backend's stores code them (a KV head split
@@ -128,7 +130,10 @@ if njit is not None and int8_matmul.available():
         are rounded to float16 too, as the rowwise kernels do. Without `store` the rows' K/V were
         stored by _store_kv before a meeting (rows of one sequence read each other's), and the rows
         a thread takes whole go to attend_rows in runs whose block tables agree (a verification
-        chunk's positions): each block decoded once for the run, each row's result attend's."""
+        chunk's positions): each block decoded once for the run, each row's result attend's.
+        With `store`, where a row sees enough keys to take them in two parts (decode_attention's
+        split_point), its parts are tasks of their own, their states left in `partials` for
+        _merge_attention after a meeting; returns whether it did so."""
         dst, q_v, k_v, v_v = ops[i, 1], ops[i, 2], ops[i, 3], ops[i, 4]
         k_cache, v_cache = _u8_4d(caches, 2 * ops[i, 5]), _u8_4d(caches, 2 * ops[i, 5] + 1)
         codec = caches[2 * ops[i, 5], CACHE_CODEC]
@@ -139,6 +144,10 @@ if njit is not None and int8_matmul.available():
         group = n_heads // n_kv
         task, end = rows * n_heads * th // n_threads, rows * n_heads * (th + 1) // n_threads
         scale, window = np.float32(params[i, 0]), ops[i, 6]
+        if store and _splits_any(rows, ctx, window, block_size):
+            _attend_parts(th, n_threads, q, out, k_cache, v_cache, codec, tables, ctx, scale, window, rows, n_heads,
+                          group, dim, block_size, slots, values, k_v, v_v, shared, own, partials)
+            return True
         whole_lo = whole_hi = task                                   # the tasks of rows taken whole
         first, last = -(-task // n_heads), end // n_heads
         if not store and last - first > 1:
@@ -164,6 +173,90 @@ if njit is not None and int8_matmul.available():
             task, stop = (task, whole_lo) if part == 0 else (whole_hi, end)
             _attend_tasks(task, stop, q, out, k_cache, v_cache, codec, tables, ctx, scale, window, n_heads,
                           group, dim, block_size, store, slots, values, k_v, v_v, shared, own)
+        return False
+
+    @njit(inline="always")
+    def _splits_any(rows, ctx, window, block_size):  # pragma: no cover - compiled
+        for b in range(rows):
+            if _split_point(ctx[b], window, block_size) >= 0:
+                return True
+        return False
+
+    @njit(inline="always")
+    def _attend_parts(th, n_threads, q, out, k_cache, v_cache, codec, tables, ctx, scale, window, rows, n_heads,
+                      group, dim, block_size, slots, values, k_v, v_v, shared, own, partials):  # pragma: no cover
+        """The tasks of a pass where some rows take their keys in two parts: (row, query head) for
+        the others, (row, part, query head) for those, each thread a contiguous share. A part's
+        state goes to partials[row]: [part, head, dim] weighted values, then [part, head] maxima,
+        then [part, head] totals. Only a row's second part, which reads its own position, stores
+        its K/V."""
+        width = n_heads * dim
+        n_tasks = 0
+        for b in range(rows):
+            n_tasks += n_heads * (1 if _split_point(ctx[b], window, block_size) < 0 else 2)
+        task, end = n_tasks * th // n_threads, n_tasks * (th + 1) // n_threads
+        offset = 0
+        for b in range(rows):
+            if offset >= end:
+                break
+            mid = _split_point(ctx[b], window, block_size)
+            count = n_heads * (1 if mid < 0 else 2)
+            t, t_end = max(task, offset) - offset, min(end, offset + count) - offset
+            offset += count
+            if t >= t_end:
+                continue
+            if mid < 0:
+                _attend_tasks(b * n_heads + t, b * n_heads + t_end, q, out, k_cache, v_cache, codec, tables, ctx,
+                              scale, window, n_heads, group, dim, block_size, True, slots, values, k_v, v_v,
+                              shared, own)
+                continue
+            lo = max(0, ctx[b] - window) if window > 0 else 0
+            while t < t_end:
+                part, h = t // n_heads, t % n_heads
+                kv = h // group
+                run_end = min(t_end, part * n_heads + (kv + 1) * group)
+                n_g = run_end - t
+                if part == 1:
+                    block, at = slots[b] // block_size, slots[b] % block_size
+                    _encode_row(_row(values, k_v, b, shared, own)[kv * dim:(kv + 1) * dim],
+                                k_cache[kv, block, at], codec)
+                    _encode_row(_row(values, v_v, b, shared, own)[kv * dim:(kv + 1) * dim],
+                                v_cache[kv, block, at], codec)
+                for g in range(h, h + n_g):
+                    _round_to_half(q[b, g])
+                row = partials[b]
+                acc = row[part * width + h * dim:part * width + (h + n_g) * dim].reshape((n_g, dim))
+                maxes = row[2 * width + part * n_heads + h:2 * width + part * n_heads + h + n_g]
+                totals = row[2 * width + (2 + part) * n_heads + h:2 * width + (2 + part) * n_heads + h + n_g]
+                _attend_part(q, k_cache, v_cache, codec, tables[b], lo if part == 0 else mid,
+                             mid if part == 0 else ctx[b], scale, True, b, kv, h, n_g, True, acc, maxes, totals)
+                t = run_end
+
+    @njit(inline="always")
+    def _merge_attention(i, ops, values, rows, th, n_threads, shared, own, caches, ctx,
+                         partials):  # pragma: no cover - compiled
+        """The (row, query head) pairs of rows whose keys went in two parts (_attend_parts), each
+        thread a contiguous share: their parts' states merged into the output."""
+        dst, window = ops[i, 1], ops[i, 6]
+        k_cache = _u8_4d(caches, 2 * ops[i, 5])
+        dim, block_size = _values_in(caches[2 * ops[i, 5], CACHE_CODEC], k_cache.shape[3]), k_cache.shape[2]
+        out = _whole(values, dst, rows, shared, own).reshape((rows, values[dst, 2] // dim, dim))
+        n_heads = out.shape[1]
+        width = n_heads * dim
+        n_pairs = 0
+        for b in range(rows):
+            n_pairs += n_heads if _split_point(ctx[b], window, block_size) >= 0 else 0
+        task, end = n_pairs * th // n_threads, n_pairs * (th + 1) // n_threads
+        offset = 0
+        for b in range(rows):
+            if offset >= end or _split_point(ctx[b], window, block_size) < 0:
+                continue
+            row = partials[b]
+            parts = row[:2 * width].reshape((2, width))
+            for h in range(max(task, offset) - offset, min(end, offset + n_heads) - offset):
+                _merge_parts(parts[:, h * dim:(h + 1) * dim], row[2 * width + h:2 * width + 2 * n_heads:n_heads],
+                             row[2 * width + 2 * n_heads + h:2 * width + 4 * n_heads:n_heads], True, out[b, h])
+            offset += n_heads
 
     @njit(inline="always")
     def _same_blocks(tables, b0, b, lo, hi):  # pragma: no cover - compiled
