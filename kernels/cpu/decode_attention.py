@@ -20,6 +20,11 @@ llama.cpp's f16 V product rounds it, and tasks take rows from both ends in turn,
 since a chunk's later rows see more keys (Gemma 3's 512-token prefill attention:
 244 -> 164 ms).
 
+Rows of one sequence at consecutive positions (a prompt chunk's) go ROW_TILE at a time to
+attend_rows, which decodes each block once for them all. A row that sees SPLIT_KEYS keys or more
+takes them in two parts (split_point), each with its own softmax maximum and total, merged
+(merge_parts): the replay gives each part to a thread of its own (graph_replay.py).
+
 The pool holds K/V in its codec (kernels/cpu/kv_codecs.py: f16, q8_0 or q4_0); a task decodes
 the keys (then the values) of one block at a time into a float32 block of its own, in L1, and
 the sums run over those: quantized blocks are read directly, never copied whole.
