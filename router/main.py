@@ -24,6 +24,7 @@ from pathlib import Path
 from router import config as router_config
 from router.config import RouterConfig
 from shared.common_config import configure
+from shared.exit_deadline import exit_within
 from shared.options import ArgumentParser, add_flags, options_of
 
 log = logging.getLogger("tensorserve.router")
@@ -178,6 +179,7 @@ async def serve(args: RouterConfig) -> int:
     await asyncio.gather(http_task, return_exceptions=True)
     stop_task.cancel()
     await models.close()
+    exit_within()
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from scheduler import config as scheduler_config
 from scheduler.config import SchedulerConfig
 from shared.common_config import configure
+from shared.exit_deadline import exit_within
 from shared.options import ArgumentParser, add_flags, options_of
 
 log = logging.getLogger("scheduler")
@@ -89,6 +90,7 @@ async def _serve(args: SchedulerConfig) -> int:
     await server.stop(1.0)
     await loop.run_in_executor(None, core.stop)
     log.info("scheduler stopped")
+    exit_within()
     return 0
 
 

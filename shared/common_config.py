@@ -2,8 +2,10 @@
 configurations that need it (`router/config.py`, `scheduler/config.py`, `worker/config.py`)."""
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -100,6 +102,10 @@ def check_exposure(resolved: Resolved, process: str) -> None:
 
 def setup_logging(level: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
     logging.basicConfig(level=level.upper(), format=fmt)
+    # `kill -USR1 PID` prints every thread's stack to stderr: what a process that will not stop
+    # (or answer) is waiting on, without a debugger.
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
 
 def log_effective(process: str, resolved: Resolved) -> None:

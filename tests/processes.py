@@ -76,6 +76,8 @@ def stop_all(procs: Iterable[subprocess.Popen], timeout: float = 15.0) -> list[i
         try:
             codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)      # its threads' stacks into its log (shared/common_config.py)
+            time.sleep(0.5)
             proc.kill()
             proc.wait()
             codes.append(None)

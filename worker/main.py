@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from shared.common_config import configure
+from shared.exit_deadline import exit_within
 from shared.options import ArgumentParser, add_flags, options_of
 from worker import config as worker_config
 from worker.config import WorkerConfig
@@ -139,6 +140,7 @@ def run(flags: argparse.Namespace) -> int:
             except OSError:
                 pass
         log.info("worker stopped after %d steps", servicer.steps)
+    exit_within()
     return 0
 
 
