@@ -214,19 +214,53 @@ def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, f
         base = blk * block_size
         j0, stop = max(lo, base) - base, min(hi, base + block_size) - base
         _decode_rows(v_cache, kv, table[blk], j0, stop, codec, values)
-        for g in range(group):
-            j = j0
-            while by_four and j + 4 <= stop:      # four values a pass over the accumulator
-                at = base + j - lo
-                w0, w1, w2, w3 = scores[g, at], scores[g, at + 1], scores[g, at + 2], scores[g, at + 3]
-                for d in range(dim):
-                    acc_out[g, d] += (w0 * values[j, d] + w1 * values[j + 1, d] + w2 * values[j + 2, d]
-                                      + w3 * values[j + 3, d])
-                j += 4
-            for j in range(j, stop):
-                w = scores[g, base + j - lo]
-                for d in range(dim):
-                    acc_out[g, d] += w * values[j, d]
+        weigh_values(values, j0, stop, scores, base - lo, acc_out, by_four)
+
+
+def weigh_values(values, j0, stop, weights, w_at, acc, by_four):  # pragma: no cover - numba
+    """acc[g] += weights[g, w_at + j] * values[j] for every head g and the rows j0 <= j < stop of
+    a decoded block of values; with `by_four`, four values a pass over the accumulator. Heads go
+    two at a time, each value row loaded once for both: each head's sums are the ones it gets
+    alone (every lane of acc adds its own products in the same order). Each head's row is a view
+    of its own: indexing acc[g, d] and acc[g + 1, d] in one loop keeps LLVM from vectorizing it."""
+    group = acc.shape[0]
+    g = 0
+    while g + 2 <= group:
+        _weigh_two(values, j0, stop, weights[g], weights[g + 1], w_at, acc[g], acc[g + 1], by_four)
+        g += 2
+    if g < group:
+        _weigh_one(values, j0, stop, weights[g], w_at, acc[g], by_four)
+
+
+def _weigh_two(values, j, stop, wa, wb, w_at, acc_a, acc_b, by_four):  # pragma: no cover - numba
+    while by_four and j + 4 <= stop:
+        at = w_at + j
+        a0, a1, a2, a3 = wa[at], wa[at + 1], wa[at + 2], wa[at + 3]
+        c0, c1, c2, c3 = wb[at], wb[at + 1], wb[at + 2], wb[at + 3]
+        for d in range(acc_a.shape[0]):
+            v0, v1, v2, v3 = values[j, d], values[j + 1, d], values[j + 2, d], values[j + 3, d]
+            acc_a[d] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3)
+            acc_b[d] += (c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3)
+        j += 4
+    for j in range(j, stop):
+        a, c = wa[w_at + j], wb[w_at + j]
+        for d in range(acc_a.shape[0]):
+            acc_a[d] += a * values[j, d]
+            acc_b[d] += c * values[j, d]
+
+
+def _weigh_one(values, j, stop, weights, w_at, acc, by_four):  # pragma: no cover - numba
+    while by_four and j + 4 <= stop:
+        at = w_at + j
+        w0, w1, w2, w3 = weights[at], weights[at + 1], weights[at + 2], weights[at + 3]
+        for d in range(acc.shape[0]):
+            acc[d] += (w0 * values[j, d] + w1 * values[j + 1, d] + w2 * values[j + 2, d]
+                       + w3 * values[j + 3, d])
+        j += 4
+    for j in range(j, stop):
+        w = weights[w_at + j]
+        for d in range(acc.shape[0]):
+            acc[d] += w * values[j, d]
 
 
 def _keys_in_block(n, window, base, block_size):  # pragma: no cover - numba
@@ -322,21 +356,7 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
                 continue
             mid = split_point(ctx[b0 + r], window, block_size)
             part = 1 if 0 <= mid <= base else 0          # mid is a block's first key
-            at0 = lo - lo_all
-            for g in range(group):
-                weights, acc = scores[r, g], acc_out[r, part, g]
-                j = j0
-                while by_four and j + 4 <= stop:
-                    at = at0 + base + j - lo
-                    w0, w1, w2, w3 = weights[at], weights[at + 1], weights[at + 2], weights[at + 3]
-                    for d in range(dim):
-                        acc[d] += (w0 * values[j, d] + w1 * values[j + 1, d] + w2 * values[j + 2, d]
-                                   + w3 * values[j + 3, d])
-                    j += 4
-                for j in range(j, stop):
-                    w = weights[at0 + base + j - lo]
-                    for d in range(dim):
-                        acc[d] += w * values[j, d]
+            weigh_values(values, j0, stop, scores[r], base - lo_all, acc_out[r, part], by_four)
     for r in range(n_rows):
         if split_point(ctx[b0 + r], window, block_size) >= 0:
             for g in range(group):
@@ -370,6 +390,9 @@ if available():
     _decode_rows = kv_codecs.decode_rows
     _keys_in_block = njit(inline="always")(_keys_in_block)
     split_point = njit(inline="always")(split_point)
+    _weigh_two = njit(inline="always")(_weigh_two)
+    _weigh_one = njit(inline="always")(_weigh_one)
+    weigh_values = njit(inline="always")(weigh_values)
     merge_parts = njit(fastmath=True, cache=True, nogil=True)(merge_parts)
     attend_part = njit(fastmath=True, cache=True, nogil=True)(attend_part)
     attend = njit(fastmath=True, cache=True, nogil=True)(attend)
