@@ -1,24 +1,16 @@
 """Attention of decode rows (one query token per sequence) straight from the paged KV cache.
 
-One task per (sequence, KV head), run in parallel: the group's query heads
-score every visible key by walking the block table a block at a time (no
-gather copy of the context, no padding to the longest sequence), then softmax
-(a vectorized exp: with numba's scalar exp, 32 sequences at ~40 tokens took
-13.4 ms a step instead of 7.3) and
-the weighted sum of values. 32 sequences at ~150 tokens: 40 -> 28 ms a step
-serial, 22 -> 16 ms parallel (AVX2, 2 cores). Compiled by numba twice: in parallel (passes of a few rows, whose
-products run on numba's threads too) and serial (larger passes, whose products
-run on OpenBLAS's threads: measured on 2 cores, 32 sequences at ~150 tokens,
-44 ms a step against 50 ms for the numpy path, and 2x slower than both when the
-parallel kernel meets OpenBLAS's spinning threads). kernels/cpu/attention.py
+One task per (row tile, KV head), run in parallel: the group's query heads score every visible key
+by walking the block table a block at a time (no gather copy of the context, no padding to the
+longest sequence), then softmax (a vectorized exp) and the weighted sum of values, two heads a pass.
+Compiled by numba twice: in parallel (passes of a few rows, whose products run on numba's threads
+too) and serial (larger passes, whose products run on OpenBLAS's threads). kernels/cpu/attention.py
 keeps a numpy path for machines without numba.
 
-In the passes of 8-bit products (kernels/cpu/int8_matmul.py) every causal row,
-prompt chunks' too, is a "decode row" here with its own context length, so no
-row's result depends on its batch; the softmax is then rounded to float16 as
-llama.cpp's f16 V product rounds it, and tasks take rows from both ends in turn,
-since a chunk's later rows see more keys (Gemma 3's 512-token prefill attention:
-244 -> 164 ms).
+In the passes of 8-bit products (kernels/cpu/int8_matmul.py) every causal row, prompt chunks' too,
+is a "decode row" here with its own context length, so no row's result depends on its batch; the
+softmax is then rounded to float16 as llama.cpp's f16 V product rounds it, and tasks take row tiles
+from both ends in turn, since a chunk's later rows see more keys.
 
 Rows of one sequence at consecutive positions (a prompt chunk's) go ROW_TILE at a time to
 attend_rows, which decodes each block once for them all. A row that sees SPLIT_KEYS keys or more
@@ -101,11 +93,8 @@ def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv
     [max_blocks]) from the caches' bytes (kv_codecs.raw, coded by `codec`). Each head is computed alone: which heads share a call does not change it.
     `by_four`: the keys and values taken four at a time (four terms a pass: not the same float
     sums as single keys, so every caller whose results must agree passes the same value; the
-    replay takes True too). On the Zen 5 EPYC of docs/BENCHMARKS.md, 512-token prefills were 6-17 %
-    faster with it (two runs each way, both models), the replayed decode rows 1-2 % slower
-    (in-process A/Bs): their keys come from memory, not from cache. Rows are indexed, not taken as
-    views: a view is a reference count (an atomic add) in the inner loops; on an Emerald Rapids Xeon
-    9 heads at 60 keys took 25 kcycles with views, 17 without, the same results.
+    replay takes True too). Rows are indexed, not taken as views: a view is a reference count (an
+    atomic add) in the inner loops.
     A row that sees SPLIT_KEYS keys or more takes them in two parts (split_point), merged."""
     dim = q.shape[2]
     first_head = kv * (out.shape[1] // k_cache.shape[0]) + g0   # q may hold more heads after out's (K's)
