@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(not decode_attention.available(), reason="needs 
     (2, 4, 32, 32, 37, 200),     # a window whose edge never meets a block edge
     (1, 4, 256, 16, 0, 4100),    # rows on both sides of SPLIT_KEYS: one part, then two
     (3, 9, 64, 16, 4099, 4200),  # a window of two parts whose start falls inside a block
+    (3, 9, 64, 8, 0, 150),       # blocks of fewer keys than a vector: scores a key at a time
 ])
 @pytest.mark.parametrize("rows", [1, 3, 6, 8])
 @pytest.mark.parametrize("half", [True, False])
@@ -40,14 +41,14 @@ def test_each_row_is_what_attend_gives_it_alone(codec, n_kv, heads, dim, block_s
         for g0, g1 in ((0, group), (0, 1), (1, group)) if group > 1 else ((0, 1),):
             for b in range(rows):
                 decode_attention.attend(q, k, v, number, table, ctx[b], np.float32(0.125), window, half, alone,
-                                        b, kv, g0, g1, True)
+                                        b, kv, g0, g1)
             decode_attention.attend_rows(q, k, v, number, table, ctx, np.float32(0.125), window, half, together,
-                                         0, rows, kv, g0, g1, True)
+                                         0, rows, kv, g0, g1)
             np.testing.assert_array_equal(together, alone)
             if rows > 2:                             # a share of the rows, as a thread takes it
                 part = together.copy()
                 decode_attention.attend_rows(q, k, v, number, table, ctx, np.float32(0.125), window, half, part,
-                                             1, rows - 1, kv, g0, g1, True)
+                                             1, rows - 1, kv, g0, g1)
                 np.testing.assert_array_equal(part, alone)
     assert not np.isnan(alone).any()
 
@@ -69,7 +70,7 @@ def test_rows_in_two_parts_match_a_float64_softmax(half, window):
     out = np.full(q.shape, np.nan, np.float32)
     for b in range(rows):
         assert (decode_attention.split_point(int(ctx[b]), window, block_size) >= 0) == (b > 0)
-        decode_attention.attend(q, k, v, number, table, ctx[b], np.float32(0.3), window, half, out, b, 0, 0, 4, True)
+        decode_attention.attend(q, k, v, number, table, ctx[b], np.float32(0.3), window, half, out, b, 0, 0, 4)
     np.testing.assert_allclose(out, reference(q, k_pool, v_pool, table, ctx, 0.3, window), atol=1e-3 if half else 1e-5, rtol=0)
 
 

@@ -574,31 +574,6 @@ def test_compiled_decode_attention_matches_numpy_path(ops, window):
     close(decode_attention.decode_attention(*args, parallel=False), want)
 
 
-
-@pytest.mark.parametrize("window", [0, 11])
-def test_decode_attention_keys_four_at_a_time_match_one_at_a_time(ops, window):
-    """The replay's attention (keys one at a time) and the batched kernel's (four at a time) agree,
-    over contexts that end mid-block and leave 1-3 keys after the last group of four."""
-    from kernels.cpu import decode_attention
-    if not decode_attention.available():
-        pytest.skip("numba is not installed")
-    from kernels.cpu import kv_codecs
-    p = Paged(ops, [(1, 1), (7, 1), (21, 1), (50, 1)], n_heads=6, n_kv=2, dim=32, block_size=16, seed=5)
-    q = np.concatenate(p.q)
-    tables = np.ascontiguousarray(p.meta.block_tables, dtype=np.int64)
-    results = []
-    for by_four in (False, True):
-        out = np.zeros(q.shape, np.float32)
-        for b in range(q.shape[0]):
-            for kv in range(2):
-                decode_attention.attend(q, kv_codecs.raw(p.k_cache), kv_codecs.raw(p.v_cache), kv_codecs.F16,
-                                        tables[b], int(p.meta.context_lens[b]), np.float32(0.3), window, True, out,
-                                        b, kv, 0, 3, by_four)
-        results.append(out)
-    assert np.all(results[0] != 0)
-    # the sums' order differs (fastmath vectorizes the two loops apart): AVX2 gave up to 9e-7 of outputs ~1
-    close(results[1], results[0].astype(np.float64), rtol=1e-5, atol=2e-6)
-
 def test_round_to_half_is_float16_rounding():
     """The softmax rounding of the 8-bit passes (llama.cpp's f16 V product) is F16C's: ties to even, subnormals."""
     from kernels.cpu import elementwise

@@ -2,7 +2,9 @@
 
 One task per (row tile, KV head), run in parallel: the group's query heads score every visible key
 by walking the block table a block at a time (no gather copy of the context, no padding to the
-longest sequence), then softmax (a vectorized exp) and the weighted sum of values, two heads a pass.
+longest sequence), then softmax (a vectorized exp) and the weighted sum of values. The scores and
+the sums are vector kernels (kernels/cpu/key_scores.py, value_sums.py) whose float operations for
+a row do not depend on the rows and heads computed with it.
 Compiled by numba twice: in parallel (passes of a few rows, whose products run on numba's threads
 too) and serial (larger passes, whose products run on OpenBLAS's threads). kernels/cpu/attention.py
 keeps a numpy path for machines without numba.
@@ -27,7 +29,8 @@ import types
 
 import numpy as np
 
-from kernels.cpu import kv_codecs
+from kernels.cpu import key_scores, kv_codecs, value_sums
+from kernels.cpu.key_scores import KEYS
 from kernels.cpu.elementwise import exp_shifted, round_to_half, row_max, softmax_numerators
 
 SPLIT_KEYS = 4096   # a row that sees this many keys or more takes them in two parts (split_point)
@@ -87,14 +90,12 @@ def half_queries(q: np.ndarray) -> np.ndarray:
     return out
 
 
-def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv, g0, g1, by_four):  # pragma: no cover
+def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv, g0, g1):  # pragma: no cover
     """out[b, h] for the query heads h = kv * (heads per KV head) + g, g0 <= g < g1, the query q[b]
     at position n - 1, reading its keys and values through the block table `table` (int64
-    [max_blocks]) from the caches' bytes (kv_codecs.raw, coded by `codec`). Each head is computed alone: which heads share a call does not change it.
-    `by_four`: the keys and values taken four at a time (four terms a pass: not the same float
-    sums as single keys, so every caller whose results must agree passes the same value; the
-    replay takes True too). Rows are indexed, not taken as views: a view is a reference count (an
-    atomic add) in the inner loops.
+    [max_blocks]) from the caches' bytes (kv_codecs.raw, coded by `codec`). Each head is computed
+    alone: which heads share a call does not change it (key_scores, value_sums). Rows are indexed,
+    not taken as views: a view is a reference count (an atomic add) in the inner loops.
     A row that sees SPLIT_KEYS keys or more takes them in two parts (split_point), merged."""
     dim = q.shape[2]
     first_head = kv * (out.shape[1] // k_cache.shape[0]) + g0   # q may hold more heads after out's (K's)
@@ -105,16 +106,16 @@ def attend(q, k_cache, v_cache, codec, table, n, scale, window, half, out, b, kv
     maxes = np.empty((2, group), np.float32)
     totals = np.empty((2, group), np.float32)
     if mid < 0:
-        attend_part(q, k_cache, v_cache, codec, table, lo, n, scale, half, b, kv, first_head, group, by_four, acc[0],
+        attend_part(q, k_cache, v_cache, codec, table, lo, n, scale, half, b, kv, first_head, group, acc[0],
                     maxes[0], totals[0])
         for g in range(group):
             inv = np.float32(1.0) if half else np.float32(1.0) / totals[0, g]
             for d in range(dim):
                 out[b, first_head + g, d] = acc[0, g, d] * inv
         return
-    attend_part(q, k_cache, v_cache, codec, table, lo, mid, scale, half, b, kv, first_head, group, by_four, acc[0],
+    attend_part(q, k_cache, v_cache, codec, table, lo, mid, scale, half, b, kv, first_head, group, acc[0],
                 maxes[0], totals[0])
-    attend_part(q, k_cache, v_cache, codec, table, mid, n, scale, half, b, kv, first_head, group, by_four, acc[1],
+    attend_part(q, k_cache, v_cache, codec, table, mid, n, scale, half, b, kv, first_head, group, acc[1],
                 maxes[1], totals[1])
     for g in range(group):
         merge_parts(acc[:, g], maxes[:, g], totals[:, g], half, out[b, first_head + g])
@@ -125,7 +126,7 @@ def split_point(n, window, block_size):  # pragma: no cover - numba
     where it takes them in one. Long rows are split so that two threads can share one row's keys
     (Gemma 3 has one KV head: split by query heads, both threads read every key); the split is
     a function of the row alone, so every path (a row alone or batched, replayed or not,
-    verification rows) sums the same parts. At a block boundary: a part's four-key passes are
+    verification rows) sums the same parts. At a block boundary: a part's 16-key vectors are
     then those of the whole row."""
     lo = max(0, n - window) if window > 0 else 0
     if n - lo < SPLIT_KEYS:
@@ -150,8 +151,8 @@ def merge_parts(acc, maxes, totals, half, out):  # pragma: no cover - numba
         out[d] = (acc[0, d] * w0 + acc[1, d] * w1) * inv
 
 
-def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, first_head, group, by_four,
-                acc_out, maxes, totals):  # pragma: no cover
+def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, first_head, group, acc_out,
+                maxes, totals):  # pragma: no cover
     """The keys lo <= k < hi of the query q[b] (all visible to it) for its query heads
     first_head <= h < first_head + group, those of KV head kv: acc_out [group, dim] the values weighted by exp(score - maxes[g]), totals[g] the
     sum of those weights; with `half` the weights are first divided by their total and rounded to
@@ -166,28 +167,22 @@ def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, f
         for d in range(dim):
             qs[g, d] = q[b, first_head + g, d] * scale
     first_block, end_block = lo // block_size, (hi + block_size - 1) // block_size
+    keys_t = np.empty((dim, KEYS), np.float32)
+    q_flat, s_flat = qs.reshape(-1), scores.reshape(-1)
+    vectors = block_size % KEYS == 0 and dim % KEYS == 0
     for blk in range(first_block, end_block):     # one block's keys at a time
         base = blk * block_size
         j, stop = max(lo, base) - base, min(hi, base + block_size) - base
         _decode_rows(k_cache, kv, table[blk], j, stop, codec, keys)
-        while by_four and j + 4 <= stop:          # four keys a pass over the query: four sums in flight
-            at = base + j - lo
-            for g in range(group):
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for d in range(dim):
-                    qd = qs[g, d]
-                    a0 += qd * keys[j, d]
-                    a1 += qd * keys[j + 1, d]
-                    a2 += qd * keys[j + 2, d]
-                    a3 += qd * keys[j + 3, d]
-                scores[g, at], scores[g, at + 1], scores[g, at + 2], scores[g, at + 3] = a0, a1, a2, a3
-            j += 4
+        if vectors:
+            for g16 in range(j // KEYS * KEYS, stop, KEYS):
+                _transpose_keys(keys, g16, keys_t)
+                _score_pairs(q_flat, 0, group, keys_t, s_flat, base + g16 - lo, span, max(j, g16) - g16,
+                             min(stop, g16 + KEYS) - g16)
+            continue
         for j in range(j, stop):
             for g in range(group):
-                acc = np.float32(0.0)
-                for d in range(dim):
-                    acc += qs[g, d] * keys[j, d]
-                scores[g, base + j - lo] = acc
+                scores[g, base + j - lo] = _score_scalar(q_flat, g * dim, keys, j)
     bits = np.empty(span, np.int32)
     for g in range(group):
         maxes[g] = row_max(scores[g])
@@ -203,53 +198,23 @@ def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, f
         base = blk * block_size
         j0, stop = max(lo, base) - base, min(hi, base + block_size) - base
         _decode_rows(v_cache, kv, table[blk], j0, stop, codec, values)
-        weigh_values(values, j0, stop, scores, base - lo, acc_out, by_four)
+        weigh_values(values, j0, stop, scores, base - lo, acc_out)
 
 
-def weigh_values(values, j0, stop, weights, w_at, acc, by_four):  # pragma: no cover - numba
+def weigh_values(values, j0, stop, weights, w_at, acc):  # pragma: no cover - numba
     """acc[g] += weights[g, w_at + j] * values[j] for every head g and the rows j0 <= j < stop of
-    a decoded block of values; with `by_four`, four values a pass over the accumulator. Heads go
-    two at a time, each value row loaded once for both: each head's sums are the ones it gets
-    alone (every lane of acc adds its own products in the same order). Each head's row is a view
-    of its own: indexing acc[g, d] and acc[g + 1, d] in one loop keeps LLVM from vectorizing it."""
-    group = acc.shape[0]
-    g = 0
-    while g + 2 <= group:
-        _weigh_two(values, j0, stop, weights[g], weights[g + 1], w_at, acc[g], acc[g + 1], by_four)
-        g += 2
-    if g < group:
-        _weigh_one(values, j0, stop, weights[g], w_at, acc[g], by_four)
-
-
-def _weigh_two(values, j, stop, wa, wb, w_at, acc_a, acc_b, by_four):  # pragma: no cover - numba
-    while by_four and j + 4 <= stop:
-        at = w_at + j
-        a0, a1, a2, a3 = wa[at], wa[at + 1], wa[at + 2], wa[at + 3]
-        c0, c1, c2, c3 = wb[at], wb[at + 1], wb[at + 2], wb[at + 3]
-        for d in range(acc_a.shape[0]):
-            v0, v1, v2, v3 = values[j, d], values[j + 1, d], values[j + 2, d], values[j + 3, d]
-            acc_a[d] += (a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3)
-            acc_b[d] += (c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3)
-        j += 4
-    for j in range(j, stop):
-        a, c = wa[w_at + j], wb[w_at + j]
-        for d in range(acc_a.shape[0]):
-            acc_a[d] += a * values[j, d]
-            acc_b[d] += c * values[j, d]
-
-
-def _weigh_one(values, j, stop, weights, w_at, acc, by_four):  # pragma: no cover - numba
-    while by_four and j + 4 <= stop:
-        at = w_at + j
-        w0, w1, w2, w3 = weights[at], weights[at + 1], weights[at + 2], weights[at + 3]
-        for d in range(acc.shape[0]):
-            acc[d] += (w0 * values[j, d] + w1 * values[j + 1, d] + w2 * values[j + 2, d]
-                       + w3 * values[j + 3, d])
-        j += 4
-    for j in range(j, stop):
-        w = weights[w_at + j]
-        for d in range(acc.shape[0]):
-            acc[d] += w * values[j, d]
+    a decoded block of values: each lane one chain of FMAs in key order (value_sums.weigh_pairs;
+    heads whose size is not a multiple of 16 take the same chains a value at a time)."""
+    group, dim = acc.shape
+    if dim % KEYS == 0:
+        _weigh_pairs(weights.reshape(-1), w_at, weights.shape[1], group, values, j0, stop, acc.reshape(-1), 0)
+        return
+    for g in range(group):
+        for d in range(dim):
+            total = acc[g, d]
+            for j in range(j0, stop):
+                total = _fma(weights[g, w_at + j], values[j, d], total)
+            acc[g, d] = total
 
 
 def _keys_in_block(n, window, base, block_size):  # pragma: no cover - numba
@@ -259,8 +224,21 @@ def _keys_in_block(n, window, base, block_size):  # pragma: no cover - numba
     return lo, max(lo, base) - base, min(n, base + block_size) - base
 
 
-def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out, b0, b1, kv, g0, g1,
-                by_four):  # pragma: no cover
+def _lanes_seen(n, window, base, block_size, g16):  # pragma: no cover - numba
+    """The lanes [first, last) of the 16 keys from key base + g16 that the query at position n - 1 sees."""
+    lo, j, stop = _keys_in_block(n, window, base, block_size)
+    return max(j, g16) - g16, min(stop, g16 + KEYS) - g16
+
+
+def _values_seen(n, window, base, block_size):  # pragma: no cover - numba
+    """For the query at position n - 1: the rows [j0, stop) of the block starting at key `base`
+    that it sees, and the part (split_point) they belong to."""
+    mid = split_point(n, window, block_size)
+    lo, j0, stop = _keys_in_block(n, window, base, block_size)
+    return j0, stop, 1 if 0 <= mid <= base else 0          # mid is a block's first key
+
+
+def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out, b0, b1, kv, g0, g1):  # pragma: no cover
     """attend for the rows b0 <= b < b1 at once (query b at position ctx[b] - 1), rows whose block
     tables agree on every block they read (`table`: the first row's), as a verification chunk's
     positions of one sequence do: each block's keys, then its values, are decoded once for all of
@@ -283,35 +261,33 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
             for d in range(dim):
                 qs[r, g, d] = q[b0 + r, first_head + g, d] * scale
     first_block, end_block = lo_all // block_size, (n_all + block_size - 1) // block_size
+    keys_t = np.empty((dim, KEYS), np.float32)
+    width = n_all - lo_all
+    q_flat, s_flat = qs.reshape(-1), scores.reshape(-1)
+    vectors = block_size % KEYS == 0 and dim % KEYS == 0
     for blk in range(first_block, end_block):
         base = blk * block_size
-        _decode_rows(k_cache, kv, table[blk], max(lo_all, base) - base, min(n_all, base + block_size) - base,
-                     codec, keys)
-        for r in range(n_rows):
-            lo, j, stop = _keys_in_block(ctx[b0 + r], window, base, block_size)
-            if j >= stop:
-                continue
-            row_scores = scores[r]
-            at0 = lo - lo_all              # this row's scores start here in row_scores
-            while by_four and j + 4 <= stop:
-                at = at0 + base + j - lo
-                for g in range(group):
-                    a0 = a1 = a2 = a3 = np.float32(0.0)
-                    for d in range(dim):
-                        qd = qs[r, g, d]
-                        a0 += qd * keys[j, d]
-                        a1 += qd * keys[j + 1, d]
-                        a2 += qd * keys[j + 2, d]
-                        a3 += qd * keys[j + 3, d]
-                    row_scores[g, at], row_scores[g, at + 1], row_scores[g, at + 2], row_scores[g, at + 3] = \
-                        a0, a1, a2, a3
-                j += 4
-            for j in range(j, stop):
-                for g in range(group):
-                    acc = np.float32(0.0)
-                    for d in range(dim):
-                        acc += qs[r, g, d] * keys[j, d]
-                    row_scores[g, at0 + base + j - lo] = acc
+        j_all, stop_all = max(lo_all, base) - base, min(n_all, base + block_size) - base
+        _decode_rows(k_cache, kv, table[blk], j_all, stop_all, codec, keys)
+        if not vectors:
+            for r in range(n_rows):
+                lo, j, stop = _keys_in_block(ctx[b0 + r], window, base, block_size)
+                for j in range(j, stop):
+                    for g in range(group):
+                        scores[r, g, base + j - lo_all] = _score_scalar(q_flat, (r * group + g) * dim, keys, j)
+            continue
+        for g16 in range(j_all // KEYS * KEYS, stop_all, KEYS):
+            _transpose_keys(keys, g16, keys_t)
+            r = 0
+            while r < n_rows:               # runs of rows that see the same of these 16 keys: one call each
+                first, last = _lanes_seen(ctx[b0 + r], window, base, block_size, g16)
+                end = r + 1
+                while end < n_rows and _lanes_seen(ctx[b0 + end], window, base, block_size, g16) == (first, last):
+                    end += 1
+                if first < last:
+                    _score_pairs(q_flat, r * group * dim, (end - r) * group, keys_t, s_flat,
+                                 r * group * width + base + g16 - lo_all, width, first, last)
+                r = end
     totals = np.empty((n_rows, 2, group), np.float32)
     maxes = np.empty((n_rows, 2, group), np.float32)
     for r in range(n_rows):
@@ -333,28 +309,35 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
                     for j in range(span):
                         row[j] *= inv_total
                     round_to_half(row)
-    acc_out = np.zeros((n_rows, 2, group, dim), np.float32)
+    acc_out = np.zeros((2, n_rows, group, dim), np.float32)
+    acc_flat = acc_out.reshape(-1)
     values = keys
     for blk in range(first_block, end_block):
         base = blk * block_size
         _decode_rows(v_cache, kv, table[blk], max(lo_all, base) - base, min(n_all, base + block_size) - base,
                      codec, values)
-        for r in range(n_rows):
-            lo, j0, stop = _keys_in_block(ctx[b0 + r], window, base, block_size)
-            if j0 >= stop:
-                continue
-            mid = split_point(ctx[b0 + r], window, block_size)
-            part = 1 if 0 <= mid <= base else 0          # mid is a block's first key
-            weigh_values(values, j0, stop, scores[r], base - lo_all, acc_out[r, part], by_four)
+        r = 0
+        while r < n_rows:                   # runs of rows that weigh the same values into the same part
+            j0, stop, part = _values_seen(ctx[b0 + r], window, base, block_size)
+            end = r + 1
+            while end < n_rows and _values_seen(ctx[b0 + end], window, base, block_size) == (j0, stop, part):
+                end += 1
+            if j0 < stop and dim % KEYS == 0:
+                _weigh_pairs(s_flat, r * group * width + base - lo_all, width, (end - r) * group, values, j0, stop,
+                             acc_flat, (part * n_rows + r) * group * dim)
+            elif j0 < stop:
+                for row in range(r, end):
+                    weigh_values(values, j0, stop, scores[row], base - lo_all, acc_out[part, row])
+            r = end
     for r in range(n_rows):
         if split_point(ctx[b0 + r], window, block_size) >= 0:
             for g in range(group):
-                merge_parts(acc_out[r, :, g], maxes[r, :, g], totals[r, :, g], half, out[b0 + r, first_head + g])
+                merge_parts(acc_out[:, r, g], maxes[r, :, g], totals[r, :, g], half, out[b0 + r, first_head + g])
             continue
         for g in range(group):
             inv = np.float32(1.0) if half else np.float32(1.0) / totals[r, 0, g]
             for d in range(dim):
-                out[b0 + r, first_head + g, d] = acc_out[r, 0, g, d] * inv
+                out[b0 + r, first_head + g, d] = acc_out[0, r, g, d] * inv
 
 
 def _decode_attention(q, k_cache, v_cache, codec, tables, ctx, starts, scale, window, half, out):  # pragma: no cover - numba
@@ -369,18 +352,20 @@ def _decode_attention(q, k_cache, v_cache, codec, tables, ctx, starts, scale, wi
         r0, r1 = starts[t], starts[t + 1]
         if r1 - r0 == 1:
             attend(q, k_cache, v_cache, codec, tables[r0], ctx[r0], scale, window, half, out, r0, task % n_kv, 0,
-                   group, True)
+                   group)
         else:
             attend_rows(q, k_cache, v_cache, codec, tables[r0], ctx, scale, window, half, out, r0, r1, task % n_kv,
-                        0, group, True)
+                        0, group)
 
 
 if available():
     _decode_rows = kv_codecs.decode_rows
     _keys_in_block = njit(inline="always")(_keys_in_block)
+    _lanes_seen = njit(inline="always")(_lanes_seen)
+    _values_seen = njit(inline="always")(_values_seen)
+    _weigh_pairs, _fma = value_sums.weigh_pairs, key_scores.fma
+    _transpose_keys, _score_pairs, _score_scalar = key_scores.transpose_keys, key_scores.score_pairs, key_scores.score_scalar
     split_point = njit(inline="always")(split_point)
-    _weigh_two = njit(inline="always")(_weigh_two)
-    _weigh_one = njit(inline="always")(_weigh_one)
     weigh_values = njit(inline="always")(weigh_values)
     merge_parts = njit(fastmath=True, cache=True, nogil=True)(merge_parts)
     attend_part = njit(fastmath=True, cache=True, nogil=True)(attend_part)

@@ -167,7 +167,7 @@ if njit is not None and int8_matmul.available():
                     b1 += 1
                 for kv in range(n_kv):
                     _attend_rows(q, k_cache, v_cache, codec, tables[b0], ctx, scale, window, True, out,
-                                 b0, b1, kv, 0, group, True)
+                                 b0, b1, kv, 0, group)
                 b0 = b1
         for part in range(2):
             task, stop = (task, whole_lo) if part == 0 else (whole_hi, end)
@@ -229,7 +229,7 @@ if njit is not None and int8_matmul.available():
                 maxes = row[2 * width + part * n_heads + h:2 * width + part * n_heads + h + n_g]
                 totals = row[2 * width + (2 + part) * n_heads + h:2 * width + (2 + part) * n_heads + h + n_g]
                 _attend_part(q, k_cache, v_cache, codec, tables[b], lo if part == 0 else mid,
-                             mid if part == 0 else ctx[b], scale, True, b, kv, h, n_g, True, acc, maxes, totals)
+                             mid if part == 0 else ctx[b], scale, True, b, kv, h, n_g, acc, maxes, totals)
                 t = run_end
 
     @njit(inline="always")
@@ -291,9 +291,7 @@ if njit is not None and int8_matmul.available():
             g1 = g0 + run_end - task
             for g in range(g0, g1):
                 _round_to_half(q[b, kv * group + g])
-            # by_four as the kernels take it: under fastmath the vectorizer sums a four-key pass in
-            # another order than single keys on AVX2 (bit-identical on AVX-512 only by its widths)
-            _attend(q, k_cache, v_cache, codec, tables[b], ctx[b], scale, window, True, out, b, kv, g0, g1, True)
+            _attend(q, k_cache, v_cache, codec, tables[b], ctx[b], scale, window, True, out, b, kv, g0, g1)
             task = run_end
 
     @njit(inline="always")

@@ -1,0 +1,129 @@
+"""Softmax-weighted sums of value rows for several queries at once: acc[p] = fma(w[p, j], v[j], acc[p])
+for each key j in order, the accumulators held in registers across a block's keys.
+
+Each lane's sum is one chain of FMAs in key order, as decode_attention's weigh loops took it (their
+compiled form fused each `acc += w * v` into an FMA), so a row's result is the same whichever rows
+share the call. Up to CHAINS queries (a prompt chunk's rows times the KV head's query heads) share
+each load of a value row, and the head's values go DIM_VECTORS vectors of 16 at a time.
+"""
+from __future__ import annotations
+
+from kernels.cpu import isa
+
+LANES = 16
+# registers: CHAINS x DIM_VECTORS accumulators and DIM_VECTORS values (AVX-512: 32 of 64 bytes;
+# AVX2 splits each 16-float vector into two of its 16 registers)
+WIDE = isa.has("avx512f")
+CHAINS = 6 if WIDE else 2
+DIM_VECTORS = 4 if WIDE else 2
+
+try:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    intrinsic = None
+
+
+def available() -> bool:
+    return intrinsic is not None
+
+
+def _powers_of_two_below(n: int) -> list[int]:
+    """The powers of two below n, largest first: any count under n is a sum of distinct ones."""
+    return [1 << k for k in range(n.bit_length() - 1, -1, -1) if 1 << k < n]
+
+
+if available():
+    _F32 = ir.FloatType()
+    _F32x16 = ir.VectorType(_F32, LANES)
+    _I32, _I64 = ir.IntType(32), ir.IntType(64)
+
+    def _pointer(context, builder, aryty, ary, elem):
+        data = context.make_array(aryty)(context, builder, ary).data
+        return builder.bitcast(data, elem.as_pointer())
+
+    def _splat(builder, value):
+        undef = ir.Constant(_F32x16, ir.Undefined)
+        v = builder.insert_element(undef, value, _I32(0))
+        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+    def _counted(builder, name, total, step, emit):
+        """emit(start) for start = 0, step, 2 step, ... while start + step <= total (a runtime loop);
+        returns the first start not taken."""
+        done = cgutils.alloca_once_value(builder, _I64(0))
+        cond = builder.append_basic_block(f"{name}.cond")
+        body = builder.append_basic_block(f"{name}.body")
+        after = builder.append_basic_block(f"{name}.after")
+        builder.branch(cond)
+        builder.position_at_end(cond)
+        start = builder.load(done)
+        builder.cbranch(builder.icmp_signed("<=", builder.add(start, _I64(step)), total), body, after)
+        builder.position_at_end(body)
+        emit(start)
+        builder.store(builder.add(start, _I64(step)), done)
+        builder.branch(cond)
+        builder.position_at_end(after)
+        return builder.load(done)
+
+    @intrinsic
+    def weigh_pairs(typingctx, weights, w_at, w_stride, n_pairs, values, j0, j1, acc, acc_at):
+        """acc[acc_at + p * dim + d] += weights[w_at + p * w_stride + j] * values[j, d] for p < n_pairs,
+        each lane a chain of FMAs over j0 <= j < j1 in order (weights and acc flat float32 arrays,
+        values float32 [>= j1, dim], dim a multiple of 16)."""
+        def codegen(context, builder, signature, args):
+            w_a, w_at_v, w_stride_v, n_v, v_a, j0_v, j1_v, acc_a, acc_at_v = args
+            at = signature.args
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x16, [_F32x16] * 3),
+                                                 "llvm.fma.v16f32")
+            dim = cgutils.unpack_tuple(builder, context.make_array(at[4])(context, builder, v_a).shape)[1]
+            w_p = _pointer(context, builder, at[0], w_a, _F32)
+            v_p = _pointer(context, builder, at[4], v_a, _F32)
+            acc_p = _pointer(context, builder, at[7], acc_a, _F32)
+
+            def vector_at(base, at_):
+                return builder.bitcast(builder.gep(base, [at_]), _F32x16.as_pointer())
+
+            def block(p0, count, d0, vectors):
+                """Pairs [p0, p0 + count) times the values [d0, d0 + 16 vectors)."""
+                acc_at_p = [builder.add(acc_at_v, builder.add(builder.mul(builder.add(p0, _I64(c)), dim), d0))
+                            for c in range(count)]
+                regs = [[cgutils.alloca_once(builder, _F32x16) for _ in range(vectors)] for _ in range(count)]
+                for c in range(count):
+                    for k in range(vectors):
+                        builder.store(builder.load(vector_at(acc_p, builder.add(acc_at_p[c], _I64(LANES * k))),
+                                                   align=4), regs[c][k])
+                w_rows = [builder.add(w_at_v, builder.mul(builder.add(p0, _I64(c)), w_stride_v)) for c in range(count)]
+                with cgutils.for_range_slice(builder, j0_v, j1_v, _I64(1)) as (j, _):
+                    row = builder.add(builder.mul(j, dim), d0)
+                    vs = [builder.load(vector_at(v_p, builder.add(row, _I64(LANES * k))), align=4)
+                          for k in range(vectors)]
+                    for c in range(count):
+                        w = _splat(builder, builder.load(builder.gep(w_p, [builder.add(w_rows[c], j)])))
+                        for k in range(vectors):
+                            builder.store(builder.call(fma, [w, vs[k], builder.load(regs[c][k])]), regs[c][k])
+                for c in range(count):
+                    for k in range(vectors):
+                        builder.store(builder.load(regs[c][k]),
+                                      vector_at(acc_p, builder.add(acc_at_p[c], _I64(LANES * k))), align=4)
+
+            def pairs_for(d0, vectors):
+                p = _counted(builder, "pairs", n_v, CHAINS, lambda p0: block(p0, CHAINS, d0, vectors))
+                for count in _powers_of_two_below(CHAINS):    # what is left: each count at most once
+                    left = builder.sub(n_v, p)
+                    with builder.if_then(builder.icmp_signed(">=", left, _I64(count))):
+                        block(p, count, d0, vectors)
+                    p = builder.select(builder.icmp_signed(">=", left, _I64(count)), builder.add(p, _I64(count)), p)
+
+            d = _counted(builder, "dims", dim, LANES * DIM_VECTORS, lambda d0: pairs_for(d0, DIM_VECTORS))
+            for vectors in _powers_of_two_below(DIM_VECTORS):   # what is left of the head
+                left = builder.sub(dim, d)
+                with builder.if_then(builder.icmp_signed(">=", left, _I64(LANES * vectors))):
+                    pairs_for(d, vectors)
+                d = builder.select(builder.icmp_signed(">=", left, _I64(LANES * vectors)),
+                                   builder.add(d, _I64(LANES * vectors)), d)
+            return context.get_dummy_value()
+        return types.void(weights, w_at, w_stride, n_pairs, values, j0, j1, acc, acc_at), codegen
+else:  # pragma: no cover
+    weigh_pairs = None
