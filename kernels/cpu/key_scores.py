@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import isa
-from kernels.cpu.value_sums import _powers_of_two_below
+from kernels.cpu import input_coding, isa, value_sums
 
 # each score is PARTS chains over consecutive quarters of the head, added in turn: shorter chains
 # round less (a chain over 256 values left ~2e-5 of a float64 softmax's output)
@@ -56,17 +55,10 @@ if available():
     _I32, _I64 = ir.IntType(32), ir.IntType(64)
     _MASK = ir.VectorType(ir.IntType(1), KEYS)
 
-    def _pointer(context, builder, aryty, ary, elem):
-        data = context.make_array(aryty)(context, builder, ary).data
-        return builder.bitcast(data, elem.as_pointer())
+    _pointer, _splat = input_coding.data_pointer, input_coding.splat
 
     def _shape(context, builder, aryty, ary):
         return cgutils.unpack_tuple(builder, context.make_array(aryty)(context, builder, ary).shape)
-
-    def _splat(builder, value):
-        undef = ir.Constant(_F32x16, ir.Undefined)
-        v = builder.insert_element(undef, value, _I32(0))
-        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, KEYS), [0] * KEYS))
 
     @intrinsic
     def transpose_keys(typingctx, keys, j0, keys_t):
@@ -124,12 +116,10 @@ if available():
             lo = builder.shuffle_vector(lo, lo, zeros)
             hi = builder.shuffle_vector(hi, hi, zeros)
             mask = builder.and_(builder.icmp_signed(">=", lanes, lo), builder.icmp_signed("<", lanes, hi))
-            done = cgutils.alloca_once_value(builder, _I64(0))
             quarter = builder.sdiv(dim, _I64(PARTS))
 
-            def chains(count):
-                """The pairs [done, done + count): count chains sharing each key vector."""
-                p0 = builder.load(done)
+            def chains(p0, count):
+                """The pairs [p0, p0 + count): count chains sharing each key vector."""
                 sums = [cgutils.alloca_once(builder, _F32x16) for _ in range(count)]
                 accs = [cgutils.alloca_once(builder, _F32x16) for _ in range(count)]
                 rows = [builder.add(q_at_v, builder.mul(builder.add(p0, _I64(c)), dim)) for c in range(count)]
@@ -140,7 +130,7 @@ if available():
                     with cgutils.for_range_slice(builder, d_lo, d_hi, _I64(1)) as (d, _):
                         k = builder.load(builder.gep(kt_p, [d]), align=4)
                         for c in range(count):
-                            q = _splat(builder, builder.load(builder.gep(q_p, [builder.add(rows[c], d)])))
+                            q = _splat(builder, builder.load(builder.gep(q_p, [builder.add(rows[c], d)])), _F32x16)
                             builder.store(builder.call(fma, [q, k, builder.load(accs[c])]), accs[c])
                     for c in range(count):
                         acc = builder.load(accs[c])
@@ -149,24 +139,8 @@ if available():
                     o = builder.add(out_at_v, builder.mul(builder.add(p0, _I64(c)), stride_v))
                     ptr = builder.bitcast(builder.gep(out_p, [o]), _F32x16.as_pointer())
                     builder.call(store, [builder.load(sums[c]), ptr, _I32(4), mask])
-                builder.store(builder.add(p0, _I64(count)), done)
 
-            # as many chains of CHAINS as fit, then each smaller power of two at most once
-            cond = builder.append_basic_block("full.cond")
-            body = builder.append_basic_block("full.body")
-            after = builder.append_basic_block("full.after")
-            builder.branch(cond)
-            builder.position_at_end(cond)
-            fits = builder.icmp_signed("<=", builder.add(builder.load(done), _I64(CHAINS)), n_v)
-            builder.cbranch(fits, body, after)
-            builder.position_at_end(body)
-            chains(CHAINS)
-            builder.branch(cond)
-            builder.position_at_end(after)
-            for count in _powers_of_two_below(CHAINS):
-                fits = builder.icmp_signed("<=", builder.add(builder.load(done), _I64(count)), n_v)
-                with builder.if_then(fits):
-                    chains(count)
+            value_sums.in_chunks(builder, "pairs", n_v, CHAINS, 1, chains)
             return context.get_dummy_value()
         return types.void(qs, q_at, n_pairs, keys_t, out, out_at, out_stride, lane_lo, lane_hi), codegen
 

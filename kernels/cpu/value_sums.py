@@ -8,7 +8,7 @@ each load of a value row, and the head's values go DIM_VECTORS vectors of 16 at 
 """
 from __future__ import annotations
 
-from kernels.cpu import isa
+from kernels.cpu import input_coding, isa
 
 LANES = 16
 # registers: CHAINS x DIM_VECTORS accumulators and DIM_VECTORS values (AVX-512: 32 of 64 bytes;
@@ -40,18 +40,12 @@ if available():
     _F32x16 = ir.VectorType(_F32, LANES)
     _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
-    def _pointer(context, builder, aryty, ary, elem):
-        data = context.make_array(aryty)(context, builder, ary).data
-        return builder.bitcast(data, elem.as_pointer())
+    _pointer, _splat = input_coding.data_pointer, input_coding.splat
 
-    def _splat(builder, value):
-        undef = ir.Constant(_F32x16, ir.Undefined)
-        v = builder.insert_element(undef, value, _I32(0))
-        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
-
-    def _counted(builder, name, total, step, emit):
-        """emit(start) for start = 0, step, 2 step, ... while start + step <= total (a runtime loop);
-        returns the first start not taken."""
+    def in_chunks(builder, name: str, total, units: int, unit: int, emit) -> None:
+        """emit(start, units) for start = 0, units * unit, ... while a whole chunk fits in `total` (a
+        runtime loop), then emit(start, k) once for each smaller power of two k whose k * unit still
+        fits: any remainder is a sum of distinct ones."""
         done = cgutils.alloca_once_value(builder, _I64(0))
         cond = builder.append_basic_block(f"{name}.cond")
         body = builder.append_basic_block(f"{name}.body")
@@ -59,13 +53,18 @@ if available():
         builder.branch(cond)
         builder.position_at_end(cond)
         start = builder.load(done)
-        builder.cbranch(builder.icmp_signed("<=", builder.add(start, _I64(step)), total), body, after)
+        builder.cbranch(builder.icmp_signed("<=", builder.add(start, _I64(units * unit)), total), body, after)
         builder.position_at_end(body)
-        emit(start)
-        builder.store(builder.add(start, _I64(step)), done)
+        emit(start, units)
+        builder.store(builder.add(start, _I64(units * unit)), done)
         builder.branch(cond)
         builder.position_at_end(after)
-        return builder.load(done)
+        start = builder.load(done)
+        for k in _powers_of_two_below(units):
+            fits = builder.icmp_signed(">=", builder.sub(total, start), _I64(k * unit))
+            with builder.if_then(fits):
+                emit(start, k)
+            start = builder.select(fits, builder.add(start, _I64(k * unit)), start)
 
     @intrinsic
     def weigh_pairs(typingctx, weights, w_at, w_stride, n_pairs, values, j0, j1, acc, acc_at):
@@ -100,7 +99,7 @@ if available():
                     vs = [builder.load(vector_at(v_p, builder.add(row, _I64(LANES * k))), align=4)
                           for k in range(vectors)]
                     for c in range(count):
-                        w = _splat(builder, builder.load(builder.gep(w_p, [builder.add(w_rows[c], j)])))
+                        w = _splat(builder, builder.load(builder.gep(w_p, [builder.add(w_rows[c], j)])), _F32x16)
                         for k in range(vectors):
                             builder.store(builder.call(fma, [w, vs[k], builder.load(regs[c][k])]), regs[c][k])
                 for c in range(count):
@@ -108,21 +107,9 @@ if available():
                         builder.store(builder.load(regs[c][k]),
                                       vector_at(acc_p, builder.add(acc_at_p[c], _I64(LANES * k))), align=4)
 
-            def pairs_for(d0, vectors):
-                p = _counted(builder, "pairs", n_v, CHAINS, lambda p0: block(p0, CHAINS, d0, vectors))
-                for count in _powers_of_two_below(CHAINS):    # what is left: each count at most once
-                    left = builder.sub(n_v, p)
-                    with builder.if_then(builder.icmp_signed(">=", left, _I64(count))):
-                        block(p, count, d0, vectors)
-                    p = builder.select(builder.icmp_signed(">=", left, _I64(count)), builder.add(p, _I64(count)), p)
-
-            d = _counted(builder, "dims", dim, LANES * DIM_VECTORS, lambda d0: pairs_for(d0, DIM_VECTORS))
-            for vectors in _powers_of_two_below(DIM_VECTORS):   # what is left of the head
-                left = builder.sub(dim, d)
-                with builder.if_then(builder.icmp_signed(">=", left, _I64(LANES * vectors))):
-                    pairs_for(d, vectors)
-                d = builder.select(builder.icmp_signed(">=", left, _I64(LANES * vectors)),
-                                   builder.add(d, _I64(LANES * vectors)), d)
+            in_chunks(builder, "dims", dim, DIM_VECTORS, LANES,
+                      lambda d0, vectors: in_chunks(builder, "pairs", n_v, CHAINS, 1,
+                                                    lambda p0, count: block(p0, count, d0, vectors)))
             return context.get_dummy_value()
         return types.void(weights, w_at, w_stride, n_pairs, values, j0, j1, acc, acc_at), codegen
 else:  # pragma: no cover
