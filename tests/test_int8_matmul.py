@@ -23,22 +23,20 @@ BYTE_CODE_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K
 
 
 def two_level_coding(x: np.ndarray, group: int):
-    """Level 0 as ggml-cpu's quantize_row_q8_0 (d = max / 127 stored as fp16, q = round_even(x * (127 / max))),
-    level 1 the same of x - d * q (d kept float32); s the group's sum."""
-    levels = []
-    rest = x.astype(np.float32).reshape(x.shape[0], -1, group)
-    s = rest.astype(np.float64).sum(axis=2)
-    for level in range(2):
-        amax = np.abs(rest).max(axis=2)
-        d = (amax / np.float32(127)).astype(np.float32)
-        if level == 0:
-            d = d.astype(np.float16).astype(np.float32)
-        with np.errstate(divide="ignore"):
-            inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-        q = np.rint(rest * inv[:, :, None]).astype(np.int64)
-        levels.append((q, d.astype(np.float64)))
-        rest = (rest - d[:, :, None] * q.astype(np.float32)).astype(np.float32)
-    return levels, s
+    """Level 0 as ggml-cpu's quantize_row_q8_0 (d = max / 127, q0 = round_even(x * (127 / max))), level 1
+    what it leaves in steps of d / 254 (q1 = round_even(rest * (127 / max * 254)), within +-127); s the
+    group's sum. Returns (q0, q1, d / 254, 254 * sum(q0) + sum(q1)), s."""
+    x = x.astype(np.float32).reshape(x.shape[0], -1, group)
+    s = x.astype(np.float64).sum(axis=2)
+    amax = np.abs(x).max(axis=2)
+    coded = amax >= np.float32(2.0 ** -100)
+    with np.errstate(divide="ignore", over="ignore"):
+        d = np.where(coded, amax / np.float32(127), np.float32(0)).astype(np.float32)
+        inv = np.where(coded, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q0 = np.rint(x * inv[:, :, None]).astype(np.int64)
+    rest = (x - d[:, :, None] * q0.astype(np.float32)).astype(np.float32)
+    q1 = np.clip(np.rint(rest * (inv * np.float32(254))[:, :, None]), -127, 127).astype(np.int64)
+    return (q0, q1, (d / np.float32(254)).astype(np.float32), 254 * q0.sum(axis=2) + q1.sum(axis=2)), s
 
 
 def byte_codes(raw: np.ndarray, name: str, shape: tuple[int, int]):
@@ -60,12 +58,11 @@ def stored_bias(codes: np.ndarray) -> int:
 
 def coded_product(x: np.ndarray, codes, scale, offset, group) -> np.ndarray:
     n_out = codes.shape[0]
-    levels, s = two_level_coding(x, group)
+    (q0, q1, step, _), s = two_level_coding(x, group)
     out = (offset[None] * s[:, None, :]).sum(-1)
-    for q, d in levels:
-        isum = np.einsum("rgk,ngk->rng", q, codes.astype(np.int64).reshape(n_out, -1, group))
-        out += (isum * scale[None] * d[:, None, :]).sum(-1)
-    return out
+    by_group = codes.astype(np.int64).reshape(n_out, -1, group)
+    isum = 254 * np.einsum("rgk,ngk->rng", q0, by_group) + np.einsum("rgk,ngk->rng", q1, by_group)
+    return out + (isum * scale[None] * step.astype(np.float64)[:, None, :]).sum(-1)
 
 
 @pytest.mark.parametrize("name", BYTE_CODE_TYPES)
@@ -187,35 +184,43 @@ def test_two_tiles_read_at_once_give_each_tile_as_alone(name):
 
 @pytest.mark.parametrize("group", [16, 32])
 def test_input_coding_matches_its_definition(group):
-    """kernels/cpu/input_coding.py against two_level_coding: codes, scales and code sums exactly,
+    """kernels/cpu/input_coding.py against two_level_coding: codes, steps and code sums exactly,
     the group sums to float32's rounding (summed in another order)."""
     rng = np.random.default_rng(group)
-    rows, k = 5, 8 * group
+    rows, k = 6, 8 * group
     x = (rng.standard_normal((rows, k)) * 10.0 ** rng.integers(-4, 4, (rows, k // group)).repeat(group, 1))
     x = x.astype(np.float32)
     x[1, :group] = 0.0                                   # an all-zero group: every code 0
     x[2, group:2 * group] = 127 / 64                     # d = 1/64 exactly: level 1 has nothing left
+    x[3, :group] = rng.standard_normal(group) * 2.0 ** -110    # below 2**-100: coded as zeros
+    x[4, :group] = np.float32(2.0 ** -40) * rng.standard_normal(group).astype(np.float32)
     q, d, s, qsum = int8_matmul.quantize_rows(x, group)
-    levels, want_s = two_level_coding(x, group)
-    for level, (want_q, want_d) in enumerate(levels):
-        np.testing.assert_array_equal(q[level].reshape(rows, -1, group), want_q)
-        np.testing.assert_array_equal(d[level], want_d.astype(np.float32))
-        np.testing.assert_array_equal(qsum[level], want_q.sum(axis=2))
+    (q0, q1, step, total), want_s = two_level_coding(x, group)
+    np.testing.assert_array_equal(q[0].reshape(rows, -1, group), q0)
+    np.testing.assert_array_equal(q[1].reshape(rows, -1, group), q1)
+    np.testing.assert_array_equal(d, step)
+    np.testing.assert_array_equal(qsum, total)
     np.testing.assert_allclose(s, want_s, rtol=1e-6, atol=1e-6 * np.abs(x).max())
-    assert not q[:, 1, :group].any() and not d[:, 1, 0].any()
+    assert not q[:, 1, :group].any() and not d[1, 0] and not q[:, 3, :group].any() and not d[3, 0]
     assert not q[1, 2, group:2 * group].any()
+    assert np.abs(q[0, 4, :group]).max() == 127           # a small group is coded at its own scale
 
 
-def test_fp16_rounding_matches_numpy():
-    rng = np.random.default_rng(3)
-    values = np.concatenate([
-        rng.standard_normal(2000).astype(np.float32) * 10.0 ** rng.integers(-9, 5, 2000),
-        np.float32([0.0, 6.1e-5, 5.96e-8, 2.98e-8, 65504.0, 65519.0, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11]),
-    ]).astype(np.float32)
-    x = np.abs(values)[:, None].repeat(32, axis=1)        # every group's max is the value itself
-    _, d, _, _ = int8_matmul.quantize_rows(x * np.float32(127.0), 32)
-    np.testing.assert_array_equal(d[0, :, 0], (x[:, 0] * np.float32(127.0) / np.float32(127.0)
-                                               ).astype(np.float16).astype(np.float32))
+@pytest.mark.parametrize("group", [16, 32])
+def test_two_levels_rebuild_the_input_to_half_a_step(group):
+    """What level 0 leaves is at most half its step, so level 1's codes stay within +-127 (ties of
+    level 0's rounding included, which reach 127) and (d / 254) * (254 * q0 + q1) gives back each
+    input within half a step (and float32's rounding)."""
+    rng = np.random.default_rng(100 + group)
+    x = (rng.standard_normal((64, 16 * group)) * 10.0 ** rng.integers(-6, 6, (64, 16)).repeat(group, 1))
+    x = x.astype(np.float32)
+    x[0, :group] = np.arange(group) - group / 2 + 0.5      # d = 1: every other input a tie of level 0's rounding
+    x[0, 0] = 127.0
+    q, d, _, _ = int8_matmul.quantize_rows(x, group)
+    assert np.abs(q[1].astype(np.int32)).max() <= 127 and 127 in np.abs(q[1, 0, :group])
+    step = np.repeat(d, group, axis=1).astype(np.float64)
+    rebuilt = step * (254 * q[0].astype(np.float64) + q[1])
+    assert (np.abs(rebuilt - x) / step).max() <= 0.5 + 1e-3
 
 
 def test_a_model_with_other_types_stays_on_the_float_paths():

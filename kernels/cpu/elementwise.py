@@ -14,9 +14,14 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from numba import njit
+    from numba import get_num_threads, njit, prange
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
+
+# Calls of this many rows and more (a prompt's chunk, large decode batches) split their rows between
+# numba's threads, each row computed as alone; fewer stay on the calling thread. A 512-token Gemma 3
+# prefill chunk spent ~8 % of its time in these on one thread while the other waited.
+PARALLEL_ROWS = 16
 
 
 def available() -> bool:
@@ -29,25 +34,29 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, d)
     w = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, d)
     out = np.empty_like(rows)
-    _rms_norm_kernel(rows, w, np.float64(eps), out)
+    (_rms_norm_parallel if rows.shape[0] >= PARALLEL_ROWS else _rms_norm_kernel)(rows, w, np.float64(eps), out)
     return out.reshape(x.shape)
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up = gate * up / (1 + exp(-gate)), for [rows, n] halves of a fused projection."""
-    return _gated(_swiglu_kernel, gate, up)
+    return _gated(_swiglu_kernel, _swiglu_parallel, gate, up)
 
 
 def gelu_tanh_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """tanh-GELU(gate) * up, for [..., n] halves of a fused projection."""
-    return _gated(_gelu_tanh_gate_kernel, gate, up)
+    return _gated(_gelu_tanh_gate_kernel, _gelu_tanh_gate_parallel, gate, up)
 
 
-def _gated(kernel, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+def _gated(kernel, parallel, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     n = gate.shape[-1]
     out = np.empty(gate.shape, np.float32)
     (gate_flat, gate_stride), (up_flat, up_stride) = _flat_rows(gate.reshape(-1, n)), _flat_rows(up.reshape(-1, n))
-    kernel(gate_flat, gate_stride, up_flat, up_stride, out.reshape(-1, n), np.empty(n, np.int32))
+    rows = out.reshape(-1, n)
+    if rows.shape[0] >= PARALLEL_ROWS:      # one scratch row per thread's share of the rows
+        parallel(gate_flat, gate_stride, up_flat, up_stride, rows, np.empty(get_num_threads() * n, np.int32))
+    else:
+        kernel(gate_flat, gate_stride, up_flat, up_stride, rows, np.empty(n, np.int32))
     return out
 
 
@@ -73,8 +82,8 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_dims: int, neox: boo
     18-21 here (Zen 3 EPYC)."""
     x = np.ascontiguousarray(x, dtype=np.float32)    # a view of the fused projection: copied, the loops then vectorize
     out = np.empty(x.shape, np.float32)
-    _rope_kernel(x, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
-                 n_dims, neox, out)
+    (_rope_parallel if x.shape[0] >= PARALLEL_ROWS else _rope_kernel)(
+        x, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32), n_dims, neox, out)
     return out
 
 
@@ -208,21 +217,30 @@ def rms_norm_row(x, weight, eps, out):  # pragma: no cover - compiled by numba
 
 
 def _swiglu_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
-    n = out.shape[1]
-    for i in range(out.shape[0]):
-        swiglu_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n], out[i], bits)
+    """Rows of out in as many contiguous shares as `bits` has scratch rows (prange: one a thread)."""
+    n, rows = out.shape[1], out.shape[0]
+    shares = bits.shape[0] // n
+    for share in prange(shares):
+        scratch = bits[share * n:(share + 1) * n]
+        for i in range(rows * share // shares, rows * (share + 1) // shares):
+            swiglu_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n], out[i],
+                       scratch)
 
 
 def _gelu_tanh_gate_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
-    n = out.shape[1]
-    for i in range(out.shape[0]):
-        gelu_tanh_gate_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n],
-                           out[i], bits)
+    """As _swiglu_rows."""
+    n, rows = out.shape[1], out.shape[0]
+    shares = bits.shape[0] // n
+    for share in prange(shares):
+        scratch = bits[share * n:(share + 1) * n]
+        for i in range(rows * share // shares, rows * (share + 1) // shares):
+            gelu_tanh_gate_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n],
+                               out[i], scratch)
 
 
 def _rope_rows(x, cos_rows, sin_rows, n_dims, neox, out):  # pragma: no cover - compiled by numba
     half = n_dims // 2
-    for t in range(x.shape[0]):
+    for t in prange(x.shape[0]):
         cos, sin = cos_rows[t], sin_rows[t]
         for h in range(x.shape[1]):
             src, dst = x[t, h], out[t, h]
@@ -238,7 +256,7 @@ def _rope_rows(x, cos_rows, sin_rows, n_dims, neox, out):  # pragma: no cover - 
 
 def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled by numba
     n_weights = weight.shape[0]
-    for i in range(x.shape[0]):
+    for i in prange(x.shape[0]):
         rms_norm_row(x[i], weight[i % n_weights], eps, out[i])
 
 
@@ -255,9 +273,13 @@ if available():
     row_max = njit(fastmath=True, cache=True, nogil=True)(row_max)
     softmax_numerators = njit(fastmath=True, cache=True, nogil=True)(softmax_numerators)
     tile_softmax = njit(fastmath=True, cache=True, nogil=True)(tile_softmax)
+# each twice: on the calling thread (prange is range there) and split between numba's threads
 _rms_norm_kernel = njit(cache=True, nogil=True)(_rms_norm_rows) if available() else None
 _swiglu_kernel = njit(cache=True, nogil=True)(_swiglu_rows) if available() else None
 _rope_kernel = njit(cache=True, nogil=True)(_rope_rows) if available() else None
+_rms_norm_parallel = njit(cache=True, nogil=True, parallel=True)(_rms_norm_rows) if available() else None
+_swiglu_parallel = njit(cache=True, nogil=True, parallel=True)(_swiglu_rows) if available() else None
+_rope_parallel = njit(cache=True, nogil=True, parallel=True)(_rope_rows) if available() else None
 
 
 def _exp_sum_rows(logits, shifts, out, chunk, bits):  # pragma: no cover - compiled by numba
@@ -274,18 +296,21 @@ def _exp_sum_rows(logits, shifts, out, chunk, bits):  # pragma: no cover - compi
 
 _exp_sum_kernel = njit(fastmath=True, cache=True, nogil=True)(_exp_sum_rows) if available() else None
 _gelu_tanh_gate_kernel = njit(cache=True, nogil=True)(_gelu_tanh_gate_rows) if available() else None
+_gelu_tanh_gate_parallel = (njit(cache=True, nogil=True, parallel=True)(_gelu_tanh_gate_rows) if available()
+                            else None)
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the kernels."""
     if available():
-        rms_norm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6)
-        both = np.ones((1, 16), np.float32)
-        swiglu(both[:, :8], both[:, 8:])
-        for neox in (False, True):     # the [tokens, heads, d] views of a fused projection's rows
-            angles = np.ones((1, 4), np.float32)
-            rope(both[:, :16].reshape(1, 2, 8), angles, angles, 8, neox)
-        gelu_tanh_gate(both[:, :8], both[:, 8:])
-        exp_sums(both, np.zeros(1))
+        for rows in (1, PARALLEL_ROWS):    # on the calling thread, and on all threads
+            rms_norm(np.ones((rows, 8), np.float32), np.ones(8, np.float32), 1e-6)
+            both = np.ones((rows, 16), np.float32)
+            swiglu(both[:, :8], both[:, 8:])
+            for neox in (False, True):     # the [tokens, heads, d] views of a fused projection's rows
+                angles = np.ones((rows, 4), np.float32)
+                rope(both[:, :16].reshape(rows, 2, 8), angles, angles, 8, neox)
+            gelu_tanh_gate(both[:, :8], both[:, 8:])
+        exp_sums(both[:1], np.zeros(1))
         tile_scores = np.ones((1, 2, 4), np.float32)
         tile_softmax(tile_scores, 4, 0, np.empty(4, np.int32), np.empty((1, 2), np.float32))

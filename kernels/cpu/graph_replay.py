@@ -228,8 +228,8 @@ class Replay:
         self.spin_limit = spin_barrier.SPIN_LIMIT
         k, groups = p.max_in_features, p.max_groups
         self.scratch = (np.zeros((n, rows * k), np.float32), np.zeros((n, 2 * rows * k), np.int8),
-                        np.zeros((n, 2 * rows * groups), np.float32), np.zeros((n, rows * groups), np.float32),
-                        np.zeros((n, 2 * rows * groups), np.int32), np.zeros((n, 2 * rows * groups), np.int32),
+                        np.zeros((n, rows * groups), np.float32), np.zeros((n, rows * groups), np.float32),
+                        np.zeros((n, rows * groups), np.int32), np.zeros((n, rows * groups), np.int32),
                         np.zeros((n, int(p.values[:, 4].max())), np.int32))
         attention_widths = [int(p.values[op[1], 4]) for op in p.ops if op[0] == ATTENTION]
         self.partials = np.zeros((rows, 4 * max(attention_widths, default=0)), np.float32)

@@ -1,19 +1,23 @@
 """The two-level 8-bit coding of a product's input rows (kernels/cpu/int8_matmul.py), in LLVM IR.
 
-Per group of 32 (or 16) inputs: level 0 as ggml codes activations (quantize_row_q8_0:
-d = max|x| / 127 rounded to float16, q = round_half_even(x * (127 / max|x|))), level 1
-the same coding of what level 0 leaves, x - d * q (its d kept in float32), and s, the
-float32 sum of the group's inputs (summed as a tree of halves: v[0:16] + v[16:32], then
-8, 4, 2, 1 lanes). Every product codes its input with this, the replayed decode pass too,
-so the two agree bit for bit.
+Per group of 32 (or 16) inputs, with d = max|x| / 127 and inv = 127 / max|x| (both 0 for
+a group whose max|x| is below 2**-100): level 0 q0 = round_half_even(x * inv), as ggml codes
+activations (quantize_row_q8_0, but d kept in float32), and level 1 what that leaves in
+steps of d / 254, q1 = round_half_even((x - d * q0) * (inv * 254)): the rest is at most
+half a step of level 0 (and float32's rounding), so q1 stays within +-127 (clamped there
+all the same). 254, not 256: with 256 every input within 1/256 of a tie of level 0's
+rounding (0.4 % of them) would need 128 and lose a step. One step for both,
+x ~ (d / 254) * (254 * q0 + q1), lets a product add the two levels' integer sums before
+converting them once. Stored: the codes, the step d / 254, the code sum 254 * sum(q0) +
+sum(q1), and s, the float32 sum of the group's inputs (summed as a tree of halves:
+v[0:16] + v[16:32], then 8, 4, 2, 1 lanes). Every product codes its input with this, the
+replayed decode pass too, so the two agree bit for bit.
 
 Written as vectors (one or two 16-float registers a group) because numba compiled the same
 loops to scalar code with a reference count per array view: on 2 cores of a Xeon
 (Emerald Rapids) a 576-float row took 2.1-2.6 us that way and takes 0.44 us now (1536
 floats: 5.3 -> 1.2 us); a decode step codes ~120 rows on each thread, ~0.35 ms of an
-~8.5 ms SmolLM2 step before. LLVM splits the 16-lane vectors in two on AVX2. The
-float16 rounding of level 0's d is done on the bits, so no half-precision instruction
-(or runtime call for one) is needed.
+~8.5 ms SmolLM2 step before. LLVM splits the 16-lane vectors in two on AVX2.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
 LANES = 16
+LEVEL_RATIO = 254          # level 1's step is level 0's over this
+SMALLEST_MAX = 2.0 ** -100  # groups whose max|x| is below this are coded as zeros (127 / max overflows near 2**-126)
 
 
 def available() -> bool:
@@ -63,7 +69,7 @@ if available():
             self.reduce_smax = declare("llvm.vector.reduce.smax.v16i32", i32, _I32x16)
             self.reduce_add = declare("llvm.vector.reduce.add.v16i32", i32, _I32x16)
             self.rint = declare("llvm.rint.v16f32", _F32x16, _F32x16)
-            self.rint1 = declare("llvm.rint.f32", ir.FloatType(), ir.FloatType())
+            self.smin = declare("llvm.smin.v16i32", _I32x16, _I32x16, _I32x16)
 
         def abs_max(self, vectors):
             """max |v| over the group (on the bits: non-negative floats order as their integers)."""
@@ -75,28 +81,17 @@ if available():
                 m = a if m is None else b.call(self.smax, [m, a])
             return b.bitcast(b.call(self.reduce_smax, [m]), ir.FloatType())
 
-        def fp16_round(self, a):
-            """a >= 0 rounded to the nearest float16 (ties to even), as GGML_FP32_TO_FP16 stores it,
-            on the bits: no half-precision instructions (or the compiler's runtime calls for them)."""
-            b = self.b
-            f32, i32 = ir.FloatType(), ir.IntType(32)
-            u = b.bitcast(a, i32)
-            odd = b.and_(b.lshr(u, i32(13)), i32(1))
-            normal = b.bitcast(b.and_(b.add(b.add(u, i32(0x0FFF)), odd), i32(-8192)), f32)
-            # float16 subnormals: multiples of 2**-24
-            subnormal = b.fmul(b.call(self.rint1, [b.fmul(a, f32(16777216.0))]), f32(5.9604645e-08))
-            r = b.select(b.fcmp_ordered("<", a, f32(6.103515625e-05)), subnormal, normal)
-            return b.select(b.fcmp_ordered(">=", a, f32(65520.0)), f32(float("inf")), r)
-
-        def inverse(self, amax):
-            """127 / amax, or 0 for an all-zero group."""
+        def scales(self, amax):
+            """(d, inv) = (amax / 127, 127 / amax), or zeros for a group whose amax is below SMALLEST_MAX."""
             b = self.b
             f32 = ir.FloatType()
-            nonzero = b.fcmp_ordered("!=", amax, f32(0.0))
-            return b.select(nonzero, b.fdiv(f32(127.0), amax), f32(0.0))
+            coded = b.fcmp_ordered(">=", amax, f32(SMALLEST_MAX))
+            return (b.select(coded, b.fdiv(amax, f32(127.0)), f32(0.0)),
+                    b.select(coded, b.fdiv(f32(127.0), amax), f32(0.0)))
 
-        def level(self, vectors, inv, q_ptr):
-            """q = rint(v * inv) stored as bytes at q_ptr; returns (the q as floats, sum of q)."""
+        def level(self, vectors, inv, q_ptr, clamp=False):
+            """q = rint(v * inv) (with clamp: within +-127) stored as bytes at q_ptr; returns (the q as
+            floats, sum of q)."""
             b = self.b
             inv_v = splat(b, inv, _F32x16)
             total = None
@@ -104,6 +99,9 @@ if available():
             for i, v in enumerate(vectors):
                 q = b.call(self.rint, [b.fmul(v, inv_v)])
                 qi = b.fptosi(q, _I32x16)
+                if clamp:
+                    qi = b.call(self.smax, [b.call(self.smin, [qi, ir.Constant(_I32x16, [127] * LANES)]),
+                                            ir.Constant(_I32x16, [-127] * LANES)])
                 dst = b.bitcast(b.gep(q_ptr, [ir.Constant(ir.IntType(64), LANES * i)]), _I8x16.as_pointer())
                 b.store(b.trunc(qi, _I8x16), dst, align=1)
                 total = qi if total is None else b.add(total, qi)
@@ -126,9 +124,9 @@ if available():
 
     @intrinsic
     def _code_rows(typingctx, x, qx, dx, sx, qsum, r0, r1, group):
-        """Rows r0 <= r < r1 of x (float32 [rows, in], C order) coded into qx int8 [2, rows, in],
-        dx float32 [2, rows, groups], sx float32 [rows, groups], qsum int32 [2, rows, groups];
-        group 16 or 32."""
+        """Rows r0 <= r < r1 of x (float32 [rows, in], C order) coded into qx int8 [2, rows, in] (the
+        levels' codes), dx float32 [rows, groups] (the step), sx float32 [rows, groups] (the sum),
+        qsum int32 [rows, groups] (the combined code sum); group 16 or 32."""
         if any(a.layout != "C" for a in (x, qx, dx, sx, qsum)):
             raise TypingError("the input coding reads and writes C-contiguous arrays only")
         sig = types.void(x, qx, dx, sx, qsum, r0, r1, group)
@@ -146,8 +144,7 @@ if available():
             dx_p = data_pointer(context, builder, at[2], dx_a, f32)
             sx_p = data_pointer(context, builder, at[3], sx_a, f32)
             qs_p = data_pointer(context, builder, at[4], qs_a, ir.IntType(32))
-            q_level = builder.mul(rows_total, k_in)            # level strides of qx and of dx/qsum
-            g_level = builder.mul(rows_total, groups)
+            q_level = builder.mul(rows_total, k_in)            # level stride of qx
             emit = _Emitter(builder)
             with cgutils.for_range_slice(builder, r0_v, r1_v, i64(1), inc=True) as (r, _):
                 with cgutils.for_range(builder, groups) as g_loop:
@@ -160,19 +157,15 @@ if available():
                                 vectors = [builder.load(builder.bitcast(
                                     builder.gep(x_p, [builder.add(start, i64(LANES * i))]), _F32x16.as_pointer()),
                                     align=4) for i in range(nv)]
-                                amax = emit.abs_max(vectors)
-                                d0 = emit.fp16_round(builder.fdiv(amax, f32(127.0)))
-                                q0, total0 = emit.level(vectors, emit.inverse(amax), builder.gep(qx_p, [start]))
-                                d0_v = splat(builder, d0, _F32x16)
-                                rest = [builder.fsub(v, builder.fmul(d0_v, q)) for v, q in zip(vectors, q0)]
-                                rest_max = emit.abs_max(rest)
-                                _, total1 = emit.level(rest, emit.inverse(rest_max),
-                                                       builder.gep(qx_p, [builder.add(start, q_level)]))
-                                level1 = builder.add(at_group, g_level)
-                                builder.store(d0, builder.gep(dx_p, [at_group]))
-                                builder.store(builder.fdiv(rest_max, f32(127.0)), builder.gep(dx_p, [level1]))
-                                builder.store(total0, builder.gep(qs_p, [at_group]))
-                                builder.store(total1, builder.gep(qs_p, [level1]))
+                                d, inv = emit.scales(emit.abs_max(vectors))
+                                q0, total0 = emit.level(vectors, inv, builder.gep(qx_p, [start]))
+                                d_v = splat(builder, d, _F32x16)
+                                rest = [builder.fsub(v, builder.fmul(d_v, q)) for v, q in zip(vectors, q0)]
+                                _, total1 = emit.level(rest, builder.fmul(inv, f32(float(LEVEL_RATIO))),
+                                                       builder.gep(qx_p, [builder.add(start, q_level)]), clamp=True)
+                                total = builder.add(builder.mul(total0, ir.IntType(32)(LEVEL_RATIO)), total1)
+                                builder.store(builder.fdiv(d, f32(float(LEVEL_RATIO))), builder.gep(dx_p, [at_group]))
+                                builder.store(total, builder.gep(qs_p, [at_group]))
                                 builder.store(emit.tree_sum(vectors), builder.gep(sx_p, [at_group]))
             return context.get_dummy_value()
 
@@ -180,7 +173,7 @@ if available():
 
     @njit(nogil=True, cache=True)
     def quantize_row_range(x, group, qx, dx, sx, qsum, r0, r1):  # pragma: no cover - compiled
-        """The two levels of rows r0 <= r < r1 (x, qx: C order; group 16 or 32)."""
+        """The two levels of rows r0 <= r < r1 (x, qx: C order; group 16 or 32): see _code_rows."""
         if group != 16 and group != 32:
             raise ValueError("groups of 16 or 32 inputs only")
         _code_rows(x, qx, dx, sx, qsum, r0, r1, group)

@@ -5,13 +5,15 @@ block's code with its d (and minimum m) for the 32-weight types, each sub-block'
 code with d * sc (and -dmin * m) for Q4_K/Q5_K, groups of 16 for Q6_K;
 fl(scale * code) + offset must give back ggml's weight bit for bit, or the matrix
 is not taken. Each input row is coded per group of 32 (16) inputs in two 8-bit
-levels: first as ggml codes activations (quantize_row_q8_0: d = max|x| / 127 kept
-as fp16, q = round(x * 127 / max|x|)), then what that leaves, x - d * q, the same
-way (kernels/cpu/input_coding.py). Per output n and group g
+levels: first as ggml codes activations (quantize_row_q8_0: q0 = round(x * 127 / max|x|),
+d = max|x| / 127), then what that leaves, x - d * q0, in steps of e = d / 254
+(kernels/cpu/input_coding.py). Per output n and group g
 
-    out[n] += sum_l (scale[n, g] * d_l[g]) * sum_k(code[n, k] * q_l[k]) + offset[n, g] * s[g]
+    out[n] += (scale[n, g] * e[g]) * (254 * sum_k(code[n, k] * q0[k]) + sum_k(code[n, k] * q1[k]))
+              + offset[n, g] * s[g]
 
-with s[g] the float32 sum of the group's inputs, the integer sums taken by
+with s[g] the float32 sum of the group's inputs: the two levels' integer sums meet before one
+conversion to float (they stay below 2**28: 32 * 255 * 127 * 255). The integer sums are taken by
 `vpdpbusd` (64 byte products an instruction), or on AVX2 by `vpmaddubsw` (codes of
 4-6 bits stored unsigned and summed in 16 bits over several steps, see avx2_layout;
 kernels/cpu/byte_dots.py), instead of float32 FMAs on weights four times the size.
@@ -47,7 +49,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
 TILE = 32           # outputs per tile: two 16-lane vectors
-LEVELS = 2         # 8-bit codings of each input: ggml's, then the same coding of what it leaves
+LEVELS = 2         # 8-bit codings of each input: ggml's, then what it leaves in 1/254 of its step
 BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K))
 # Passes of this many rows and more code their inputs in parallel; fewer (decode, the logits of a
 # few rows) on the calling thread, without a second parallel region a product.
@@ -260,6 +262,7 @@ if available():
                 offset_size = cgutils.unpack_tuple(
                     builder, context.make_array(at[6])(context, builder, offset_a).shape)[0]
                 has_off = builder.icmp_signed("!=", offset_size, i64(0))
+                ratio = ir.Constant(_I32x16, [input_coding.LEVEL_RATIO] * 16)
                 n_acc = 2 * n_rows
                 facc = [[cgutils.alloca_once_value(builder, ir.Constant(_F32x16, None)) for _ in range(n_acc)]
                         for _ in tiles_v]
@@ -269,7 +272,6 @@ if available():
                          for _ in tiles_v]
                 k4 = builder.sdiv(k_in, i64(4))                                # qx row stride in dwords
                 qx_level = builder.mul(rows_total, k4)                         # level strides
-                x_level = builder.mul(rows_total, groups)
                 q_row0 = builder.mul(r0_v, k4)
                 x_row0 = builder.mul(r0_v, groups)                             # dx/sx/qbias row start
                 tile_vectors = builder.mul(builder.mul(groups, steps), i64(2))
@@ -353,17 +355,18 @@ if available():
                         sc_at = builder.add(s0[k], builder.mul(g, i64(2)))
                         sc = [builder.load(builder.gep(scale_p, [builder.add(sc_at, i64(h))]), align=4)
                               for h in range(2)]
-                        for lv in range(levels):
-                            for r in range(n_rows):
-                                xg = builder.add(builder.add(x_row0, builder.mul(groups, i64(r))), g)
-                                xg = builder.add(xg, builder.mul(x_level, i64(lv)))
-                                d = _splat(builder, builder.load(builder.gep(dx_p, [xg])), _F32x16)
-                                qb = _splat(builder, builder.load(builder.gep(qb_p, [xg])), _I32x16)
-                                for h in range(2):
-                                    f = builder.sitofp(builder.sub(builder.load(iacc[k][lv][2 * r + h]), qb),
-                                                       _F32x16)
-                                    acc = builder.call(fma, [f, builder.fmul(sc[h], d), builder.load(facc[k][2 * r + h])])
-                                    builder.store(acc, facc[k][2 * r + h])
+                        for r in range(n_rows):
+                            xg = builder.add(builder.add(x_row0, builder.mul(groups, i64(r))), g)
+                            d = _splat(builder, builder.load(builder.gep(dx_p, [xg])), _F32x16)
+                            qb = _splat(builder, builder.load(builder.gep(qb_p, [xg])), _I32x16)
+                            for h in range(2):
+                                # both levels' sums in level 1's steps, converted once
+                                total = builder.load(iacc[k][0][2 * r + h])
+                                for lv in range(1, levels):
+                                    total = builder.add(builder.mul(total, ratio), builder.load(iacc[k][lv][2 * r + h]))
+                                f = builder.sitofp(builder.sub(total, qb), _F32x16)
+                                acc = builder.call(fma, [f, builder.fmul(sc[h], d), builder.load(facc[k][2 * r + h])])
+                                builder.store(acc, facc[k][2 * r + h])
                         with builder.if_then(has_off):
                             off = [builder.load(builder.gep(offset_p, [builder.add(sc_at, i64(h))]), align=4)
                                    for h in range(2)]
@@ -405,9 +408,9 @@ if available():
         rows, k_in = x.shape
         groups = k_in // group
         qx = np.empty((LEVELS, rows, k_in), np.int8)
-        dx = np.empty((LEVELS, rows, groups), np.float32)
+        dx = np.empty((rows, groups), np.float32)
         sx = np.empty((rows, groups), np.float32)
-        qsum = np.empty((LEVELS, rows, groups), np.int32)
+        qsum = np.empty((rows, groups), np.int32)
         if rows >= PARALLEL_CODING_ROWS:       # a prompt's rows: coded on every thread
             for r in prange(rows):
                 _quantize_row_range(x, group, qx, dx, sx, qsum, r, r + 1)
@@ -423,13 +426,14 @@ if available():
 
 
 def quantize_rows(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The kernel's coding of x's rows: q int8 [2, rows, in], d float32 [2, rows, groups] (level 0's
-    rounded to float16 as ggml stores it), s = the float32 sum of each group, sum(q) int32 [2, rows, groups]."""
+    """The kernel's coding of x's rows (kernels/cpu/input_coding.py): q int8 [2, rows, in] (the two
+    levels' codes), d float32 [rows, groups] (level 1's step, level 0's / 256), s the float32 sum of
+    each group, and int32 [rows, groups] 256 * sum(q0) + sum(q1)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, groups = x.shape[0], x.shape[1] // group
     q = np.empty((LEVELS, *x.shape), np.int8)
-    d, s = np.empty((LEVELS, rows, groups), np.float32), np.empty((rows, groups), np.float32)
-    qsum = np.empty((LEVELS, rows, groups), np.int32)
+    d, s = np.empty((rows, groups), np.float32), np.empty((rows, groups), np.float32)
+    qsum = np.empty((rows, groups), np.int32)
     input_coding.quantize_two_levels(x, group, q, d, s, qsum)
     return q, d, s, qsum
 

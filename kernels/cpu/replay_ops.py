@@ -81,15 +81,14 @@ if njit is not None and int8_matmul.available():
             for j in range(k_in):
                 x[r, j] = src[j]
         qx = qx_s[th, :2 * rows * k_in].reshape((2, rows, k_in))
-        dx = dx_s[th, :2 * rows * groups].reshape((2, rows, groups))
+        dx = dx_s[th, :rows * groups].reshape((rows, groups))
         sx = sx_s[th, :rows * groups].reshape((rows, groups))
-        qsum = qsum_s[th, :2 * rows * groups].reshape((2, rows, groups))
-        qbias = qbias_s[th, :2 * rows * groups].reshape((2, rows, groups))
+        qsum = qsum_s[th, :rows * groups].reshape((rows, groups))
+        qbias = qbias_s[th, :rows * groups].reshape((rows, groups))
         _quantize(x, group, qx, dx, sx, qsum)
-        for lv in range(2):
-            for r in range(rows):
-                for g in range(groups):
-                    qbias[lv, r, g] = qsum[lv, r, g] * np.int32(bias)
+        for r in range(rows):
+            for g in range(groups):
+                qbias[r, g] = qsum[r, g] * np.int32(bias)
         dst = ops[i, 1]
         out = shared[values[dst, 1]:values[dst, 1] + rows * values[dst, 2]].reshape((rows, values[dst, 2]))
         full = rows // _ROWS * _ROWS
