@@ -20,10 +20,17 @@ def test_rms_norm_rows_split_between_threads_match_each_row_alone():
     w = rng.standard_normal(640).astype(np.float32)
     together = elementwise.rms_norm(x, w, 1e-6)
     np.testing.assert_array_equal(together, each_alone(lambda r: elementwise.rms_norm(r, w, 1e-6), x))
-    heads = x.reshape(ROWS, 5, 128)                      # per-head weights (QK-norm)
-    hw = rng.standard_normal((5, 128)).astype(np.float32)
-    np.testing.assert_array_equal(elementwise.rms_norm(heads, hw, 1e-6),
-                                  each_alone(lambda r: elementwise.rms_norm(r, hw, 1e-6), heads))
+    hw = rng.standard_normal((5, 128)).astype(np.float32)     # per-head weights (QK-norm)
+    fused = (rng.standard_normal((ROWS, 6 * 128)) * 3).astype(np.float32)
+    heads = fused[:, :5 * 128].reshape(ROWS, 5, 128)          # Q and K heads: a view of the fused projection
+    assert not heads.flags.c_contiguous
+    normed = elementwise.rms_norm(heads, hw, 1e-6)
+    np.testing.assert_array_equal(normed, elementwise.rms_norm(np.ascontiguousarray(heads), hw, 1e-6))
+    np.testing.assert_array_equal(normed, each_alone(lambda r: elementwise.rms_norm(r, hw, 1e-6), heads))
+    want = heads / np.sqrt((heads.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * hw
+    np.testing.assert_allclose(normed, want, rtol=1e-5, atol=1e-6)
+    one = elementwise.rms_norm(x[0], w, 1e-6)                  # a single row, 1-D
+    np.testing.assert_array_equal(one, together[0])
 
 
 @pytest.mark.parametrize("name", ["swiglu", "gelu_tanh_gate"])

@@ -31,10 +31,16 @@ def available() -> bool:
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x [..., d] normalised over its last axis, times `weight`: [d], or [h, d] for x [..., h, d]."""
     d = x.shape[-1]
-    rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, d)
+    # by tokens: a view of a fused projection's Q and K heads (QK-norm) is read in place
+    tokens = x.reshape(-1 if x.ndim < 3 else x.shape[0], x.shape[-1] if x.ndim < 3 else -1)
+    flat, stride = _flat_rows(tokens)
     w = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, d)
-    out = np.empty_like(rows)
-    (_rms_norm_parallel if rows.shape[0] >= PARALLEL_ROWS else _rms_norm_kernel)(rows, w, np.float64(eps), out)
+    out = np.empty((x.size // d, d), np.float32)
+    args = (flat, stride, tokens.shape[1] // d, w, np.float64(eps), out)
+    if out.shape[0] >= PARALLEL_ROWS:
+        _rms_norm_parallel(*args, get_num_threads())
+    else:
+        _rms_norm_kernel(*args)
     return out.reshape(x.shape)
 
 
@@ -52,11 +58,11 @@ def _gated(kernel, parallel, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     n = gate.shape[-1]
     out = np.empty(gate.shape, np.float32)
     (gate_flat, gate_stride), (up_flat, up_stride) = _flat_rows(gate.reshape(-1, n)), _flat_rows(up.reshape(-1, n))
-    rows = out.reshape(-1, n)
-    if rows.shape[0] >= PARALLEL_ROWS:      # one scratch row per thread's share of the rows
-        parallel(gate_flat, gate_stride, up_flat, up_stride, rows, np.empty(get_num_threads() * n, np.int32))
+    args = (gate_flat, gate_stride, up_flat, up_stride, out.reshape(-1, n), np.empty(n, np.int32))
+    if args[4].shape[0] >= PARALLEL_ROWS:
+        parallel(*args, get_num_threads())
     else:
-        kernel(gate_flat, gate_stride, up_flat, up_stride, rows, np.empty(n, np.int32))
+        kernel(*args)
     return out
 
 
@@ -82,8 +88,12 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_dims: int, neox: boo
     18-21 here (Zen 3 EPYC)."""
     x = np.ascontiguousarray(x, dtype=np.float32)    # a view of the fused projection: copied, the loops then vectorize
     out = np.empty(x.shape, np.float32)
-    (_rope_parallel if x.shape[0] >= PARALLEL_ROWS else _rope_kernel)(
-        x, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32), n_dims, neox, out)
+    args = (x, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32), n_dims, neox,
+            out)
+    if x.shape[0] >= PARALLEL_ROWS:
+        _rope_parallel(*args, get_num_threads())
+    else:
+        _rope_kernel(*args)
     return out
 
 
@@ -216,31 +226,22 @@ def rms_norm_row(x, weight, eps, out):  # pragma: no cover - compiled by numba
         out[j] = (x[j] * scale) * weight[j]
 
 
-def _swiglu_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
-    """Rows of out in as many contiguous shares as `bits` has scratch rows (prange: one a thread)."""
-    n, rows = out.shape[1], out.shape[0]
-    shares = bits.shape[0] // n
-    for share in prange(shares):
-        scratch = bits[share * n:(share + 1) * n]
-        for i in range(rows * share // shares, rows * (share + 1) // shares):
-            swiglu_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n], out[i],
-                       scratch)
+def _swiglu_range(gate, gate_stride, up, up_stride, out, bits, lo, hi):  # pragma: no cover - compiled by numba
+    n = out.shape[1]
+    for i in range(lo, hi):
+        swiglu_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n], out[i], bits)
 
 
-def _gelu_tanh_gate_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
-    """As _swiglu_rows."""
-    n, rows = out.shape[1], out.shape[0]
-    shares = bits.shape[0] // n
-    for share in prange(shares):
-        scratch = bits[share * n:(share + 1) * n]
-        for i in range(rows * share // shares, rows * (share + 1) // shares):
-            gelu_tanh_gate_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n],
-                               out[i], scratch)
+def _gelu_tanh_gate_range(gate, gate_stride, up, up_stride, out, bits, lo, hi):  # pragma: no cover - compiled
+    n = out.shape[1]
+    for i in range(lo, hi):
+        gelu_tanh_gate_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n], out[i],
+                           bits)
 
 
-def _rope_rows(x, cos_rows, sin_rows, n_dims, neox, out):  # pragma: no cover - compiled by numba
+def _rope_range(x, cos_rows, sin_rows, n_dims, neox, out, lo, hi):  # pragma: no cover - compiled by numba
     half = n_dims // 2
-    for t in prange(x.shape[0]):
+    for t in range(lo, hi):
         cos, sin = cos_rows[t], sin_rows[t]
         for h in range(x.shape[1]):
             src, dst = x[t, h], out[t, h]
@@ -254,10 +255,58 @@ def _rope_rows(x, cos_rows, sin_rows, n_dims, neox, out):  # pragma: no cover - 
                 dst[j] = src[j]
 
 
-def _rms_norm_rows(x, weight, eps, out):  # pragma: no cover - compiled by numba
-    n_weights = weight.shape[0]
-    for i in prange(x.shape[0]):
-        rms_norm_row(x[i], weight[i % n_weights], eps, out[i])
+def _rms_norm_range(x, stride, per_token, weight, eps, out, lo, hi):  # pragma: no cover - compiled by numba
+    """out[i] = row i of x (token i // per_token at x[token * stride:], row i % per_token of it) normalised."""
+    d, n_weights = out.shape[1], weight.shape[0]
+    for i in range(lo, hi):
+        start = i // per_token * stride + i % per_token * d
+        rms_norm_row(x[start:start + d], weight[i % n_weights], eps, out[i])
+
+
+# Each kernel twice: all rows on the calling thread, and in `shares` contiguous shares of them, one a
+# thread (the number of threads passed in: read in compiled code, it would keep the code from numba's cache).
+# (Two functions, not one compiled with and without parallel=True: numba's cache keys a function's
+# compiled code on its signature, not its options, and would give both the same code.)
+def _swiglu_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
+    _swiglu_range(gate, gate_stride, up, up_stride, out, bits, 0, out.shape[0])
+
+
+def _swiglu_on_threads(gate, gate_stride, up, up_stride, out, bits, shares):  # pragma: no cover - compiled by numba
+    rows = out.shape[0]
+    for s in prange(shares):
+        _swiglu_range(gate, gate_stride, up, up_stride, out, np.empty(out.shape[1], np.int32),
+                      rows * s // shares, rows * (s + 1) // shares)
+
+
+def _gelu_tanh_gate_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
+    _gelu_tanh_gate_range(gate, gate_stride, up, up_stride, out, bits, 0, out.shape[0])
+
+
+def _gelu_tanh_gate_on_threads(gate, gate_stride, up, up_stride, out, bits, shares):  # pragma: no cover - compiled
+    rows = out.shape[0]
+    for s in prange(shares):
+        _gelu_tanh_gate_range(gate, gate_stride, up, up_stride, out, np.empty(out.shape[1], np.int32),
+                              rows * s // shares, rows * (s + 1) // shares)
+
+
+def _rope_rows(x, cos_rows, sin_rows, n_dims, neox, out):  # pragma: no cover - compiled by numba
+    _rope_range(x, cos_rows, sin_rows, n_dims, neox, out, 0, x.shape[0])
+
+
+def _rope_on_threads(x, cos_rows, sin_rows, n_dims, neox, out, shares):  # pragma: no cover - compiled by numba
+    rows = x.shape[0]
+    for s in prange(shares):
+        _rope_range(x, cos_rows, sin_rows, n_dims, neox, out, rows * s // shares, rows * (s + 1) // shares)
+
+
+def _rms_norm_rows(x, stride, per_token, weight, eps, out):  # pragma: no cover - compiled by numba
+    _rms_norm_range(x, stride, per_token, weight, eps, out, 0, out.shape[0])
+
+
+def _rms_norm_on_threads(x, stride, per_token, weight, eps, out, shares):  # pragma: no cover - compiled by numba
+    rows = out.shape[0]
+    for s in prange(shares):
+        _rms_norm_range(x, stride, per_token, weight, eps, out, rows * s // shares, rows * (s + 1) // shares)
 
 
 if available():
@@ -273,13 +322,14 @@ if available():
     row_max = njit(fastmath=True, cache=True, nogil=True)(row_max)
     softmax_numerators = njit(fastmath=True, cache=True, nogil=True)(softmax_numerators)
     tile_softmax = njit(fastmath=True, cache=True, nogil=True)(tile_softmax)
-# each twice: on the calling thread (prange is range there) and split between numba's threads
+    _swiglu_range, _gelu_tanh_gate_range, _rope_range, _rms_norm_range = (
+        njit(cache=True, nogil=True)(f) for f in (_swiglu_range, _gelu_tanh_gate_range, _rope_range, _rms_norm_range))
 _rms_norm_kernel = njit(cache=True, nogil=True)(_rms_norm_rows) if available() else None
 _swiglu_kernel = njit(cache=True, nogil=True)(_swiglu_rows) if available() else None
 _rope_kernel = njit(cache=True, nogil=True)(_rope_rows) if available() else None
-_rms_norm_parallel = njit(cache=True, nogil=True, parallel=True)(_rms_norm_rows) if available() else None
-_swiglu_parallel = njit(cache=True, nogil=True, parallel=True)(_swiglu_rows) if available() else None
-_rope_parallel = njit(cache=True, nogil=True, parallel=True)(_rope_rows) if available() else None
+_rms_norm_parallel = njit(cache=True, nogil=True, parallel=True)(_rms_norm_on_threads) if available() else None
+_swiglu_parallel = njit(cache=True, nogil=True, parallel=True)(_swiglu_on_threads) if available() else None
+_rope_parallel = njit(cache=True, nogil=True, parallel=True)(_rope_on_threads) if available() else None
 
 
 def _exp_sum_rows(logits, shifts, out, chunk, bits):  # pragma: no cover - compiled by numba
@@ -296,7 +346,7 @@ def _exp_sum_rows(logits, shifts, out, chunk, bits):  # pragma: no cover - compi
 
 _exp_sum_kernel = njit(fastmath=True, cache=True, nogil=True)(_exp_sum_rows) if available() else None
 _gelu_tanh_gate_kernel = njit(cache=True, nogil=True)(_gelu_tanh_gate_rows) if available() else None
-_gelu_tanh_gate_parallel = (njit(cache=True, nogil=True, parallel=True)(_gelu_tanh_gate_rows) if available()
+_gelu_tanh_gate_parallel = (njit(cache=True, nogil=True, parallel=True)(_gelu_tanh_gate_on_threads) if available()
                             else None)
 
 
