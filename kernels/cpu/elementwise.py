@@ -46,23 +46,23 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up = gate * up / (1 + exp(-gate)), for [rows, n] halves of a fused projection."""
-    return _gated(_swiglu_kernel, _swiglu_parallel, gate, up)
+    return _gated(SWIGLU, gate, up)
 
 
 def gelu_tanh_gate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """tanh-GELU(gate) * up, for [..., n] halves of a fused projection."""
-    return _gated(_gelu_tanh_gate_kernel, _gelu_tanh_gate_parallel, gate, up)
+    return _gated(GELU_TANH_GATE, gate, up)
 
 
-def _gated(kernel, parallel, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+def _gated(gate_kind: int, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     n = gate.shape[-1]
     out = np.empty(gate.shape, np.float32)
     (gate_flat, gate_stride), (up_flat, up_stride) = _flat_rows(gate.reshape(-1, n)), _flat_rows(up.reshape(-1, n))
-    args = (gate_flat, gate_stride, up_flat, up_stride, out.reshape(-1, n), np.empty(n, np.int32))
-    if args[4].shape[0] >= PARALLEL_ROWS:
-        parallel(*args, get_num_threads())
+    args = (gate_kind, gate_flat, gate_stride, up_flat, up_stride, out.reshape(-1, n), np.empty(n, np.int32))
+    if args[5].shape[0] >= PARALLEL_ROWS:
+        _gated_parallel(*args, get_num_threads())
     else:
-        kernel(*args)
+        _gated_kernel(*args)
     return out
 
 
@@ -226,17 +226,17 @@ def rms_norm_row(x, weight, eps, out):  # pragma: no cover - compiled by numba
         out[j] = (x[j] * scale) * weight[j]
 
 
-def _swiglu_range(gate, gate_stride, up, up_stride, out, bits, lo, hi):  # pragma: no cover - compiled by numba
-    n = out.shape[1]
-    for i in range(lo, hi):
-        swiglu_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n], out[i], bits)
+SWIGLU, GELU_TANH_GATE = 0, 1     # the gate of _gated_range
 
 
-def _gelu_tanh_gate_range(gate, gate_stride, up, up_stride, out, bits, lo, hi):  # pragma: no cover - compiled
+def _gated_range(gate_kind, gate, gate_stride, up, up_stride, out, bits, lo, hi):  # pragma: no cover - compiled
     n = out.shape[1]
     for i in range(lo, hi):
-        gelu_tanh_gate_row(gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n], out[i],
-                           bits)
+        g, u = gate[i * gate_stride:i * gate_stride + n], up[i * up_stride:i * up_stride + n]
+        if gate_kind == SWIGLU:
+            swiglu_row(g, u, out[i], bits)
+        else:
+            gelu_tanh_gate_row(g, u, out[i], bits)
 
 
 def _rope_range(x, cos_rows, sin_rows, n_dims, neox, out, lo, hi):  # pragma: no cover - compiled by numba
@@ -267,26 +267,15 @@ def _rms_norm_range(x, stride, per_token, weight, eps, out, lo, hi):  # pragma: 
 # thread (the number of threads passed in: read in compiled code, it would keep the code from numba's cache).
 # (Two functions, not one compiled with and without parallel=True: numba's cache keys a function's
 # compiled code on its signature, not its options, and would give both the same code.)
-def _swiglu_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
-    _swiglu_range(gate, gate_stride, up, up_stride, out, bits, 0, out.shape[0])
+def _gated_rows(gate_kind, gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
+    _gated_range(gate_kind, gate, gate_stride, up, up_stride, out, bits, 0, out.shape[0])
 
 
-def _swiglu_on_threads(gate, gate_stride, up, up_stride, out, bits, shares):  # pragma: no cover - compiled by numba
+def _gated_on_threads(gate_kind, gate, gate_stride, up, up_stride, out, bits, shares):  # pragma: no cover - compiled
     rows = out.shape[0]
     for s in prange(shares):
-        _swiglu_range(gate, gate_stride, up, up_stride, out, np.empty(out.shape[1], np.int32),
-                      rows * s // shares, rows * (s + 1) // shares)
-
-
-def _gelu_tanh_gate_rows(gate, gate_stride, up, up_stride, out, bits):  # pragma: no cover - compiled by numba
-    _gelu_tanh_gate_range(gate, gate_stride, up, up_stride, out, bits, 0, out.shape[0])
-
-
-def _gelu_tanh_gate_on_threads(gate, gate_stride, up, up_stride, out, bits, shares):  # pragma: no cover - compiled
-    rows = out.shape[0]
-    for s in prange(shares):
-        _gelu_tanh_gate_range(gate, gate_stride, up, up_stride, out, np.empty(out.shape[1], np.int32),
-                              rows * s // shares, rows * (s + 1) // shares)
+        _gated_range(gate_kind, gate, gate_stride, up, up_stride, out, np.empty(out.shape[1], np.int32),
+                     rows * s // shares, rows * (s + 1) // shares)
 
 
 def _rope_rows(x, cos_rows, sin_rows, n_dims, neox, out):  # pragma: no cover - compiled by numba
@@ -322,13 +311,13 @@ if available():
     row_max = njit(fastmath=True, cache=True, nogil=True)(row_max)
     softmax_numerators = njit(fastmath=True, cache=True, nogil=True)(softmax_numerators)
     tile_softmax = njit(fastmath=True, cache=True, nogil=True)(tile_softmax)
-    _swiglu_range, _gelu_tanh_gate_range, _rope_range, _rms_norm_range = (
-        njit(cache=True, nogil=True)(f) for f in (_swiglu_range, _gelu_tanh_gate_range, _rope_range, _rms_norm_range))
+    _gated_range, _rope_range, _rms_norm_range = (
+        njit(cache=True, nogil=True)(f) for f in (_gated_range, _rope_range, _rms_norm_range))
 _rms_norm_kernel = njit(cache=True, nogil=True)(_rms_norm_rows) if available() else None
-_swiglu_kernel = njit(cache=True, nogil=True)(_swiglu_rows) if available() else None
+_gated_kernel = njit(cache=True, nogil=True)(_gated_rows) if available() else None
 _rope_kernel = njit(cache=True, nogil=True)(_rope_rows) if available() else None
 _rms_norm_parallel = njit(cache=True, nogil=True, parallel=True)(_rms_norm_on_threads) if available() else None
-_swiglu_parallel = njit(cache=True, nogil=True, parallel=True)(_swiglu_on_threads) if available() else None
+_gated_parallel = njit(cache=True, nogil=True, parallel=True)(_gated_on_threads) if available() else None
 _rope_parallel = njit(cache=True, nogil=True, parallel=True)(_rope_on_threads) if available() else None
 
 
@@ -345,9 +334,6 @@ def _exp_sum_rows(logits, shifts, out, chunk, bits):  # pragma: no cover - compi
 
 
 _exp_sum_kernel = njit(fastmath=True, cache=True, nogil=True)(_exp_sum_rows) if available() else None
-_gelu_tanh_gate_kernel = njit(cache=True, nogil=True)(_gelu_tanh_gate_rows) if available() else None
-_gelu_tanh_gate_parallel = (njit(cache=True, nogil=True, parallel=True)(_gelu_tanh_gate_on_threads) if available()
-                            else None)
 
 
 def warm_up() -> None:
