@@ -32,7 +32,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x [..., d] normalised over its last axis, times `weight`: [d], or [h, d] for x [..., h, d]."""
     d = x.shape[-1]
     # by tokens: a view of a fused projection's Q and K heads (QK-norm) is read in place
-    tokens = x.reshape(-1 if x.ndim < 3 else x.shape[0], x.shape[-1] if x.ndim < 3 else -1)
+    tokens = x.reshape(-1, d) if x.ndim < 3 else x.reshape(x.shape[0], -1)
     flat, stride = _flat_rows(tokens)
     w = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, d)
     out = np.empty((x.size // d, d), np.float32)
