@@ -20,6 +20,14 @@ if key_scores.available():
         return keys_t
 
     @njit(cache=True)
+    def _grouped_scores(qs, n_pairs, keys_t, out, out_at, out_stride, lane_lo, lane_hi):
+        key_scores.score_pairs(qs, 0, n_pairs, keys_t, out, out_at, out_stride, lane_lo, lane_hi)
+
+    @njit(cache=True)
+    def _half_keys_transposed(cache, kv, block, j0, keys_t, g):
+        key_scores.transpose_half_keys(cache, kv, block, j0, keys_t, g)
+
+    @njit(cache=True)
     def _scores_one_at_a_time(qs, n_pairs, keys, j0, out):
         for p in range(n_pairs):
             for lane in range(key_scores.KEYS):
@@ -93,3 +101,37 @@ def test_weighted_values_are_one_chain_per_lane_whatever_shares_the_call(dim, n_
     last = start[(n_pairs - 1) * dim:].copy()       # the last query alone: the same bits
     _weigh(weights[(n_pairs - 1) * 40:], 2, 40, 1, values, j0, j1, last)
     np.testing.assert_array_equal(last, got[(n_pairs - 1) * dim:])
+
+
+@pytest.mark.parametrize("dim", [16, 64, 256])
+@pytest.mark.parametrize("n_pairs", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n_groups", [1, 2, 3, 4, 7])
+def test_grouped_scores_are_each_keys_own_sum(dim, n_pairs, n_groups):
+    """Groups of 16 keys side by side (a decode row's few heads against several groups a call):
+    each score the same bits as alone, only the lanes [lane_lo, lane_hi) over all groups stored."""
+    rng = np.random.default_rng(dim + 10 * n_pairs + 100 * n_groups)
+    keys = rng.standard_normal((16 * n_groups, dim)).astype(np.float32)
+    qs = rng.standard_normal((n_pairs, dim)).astype(np.float32)
+    keys_t = np.ascontiguousarray(keys.reshape(n_groups, 16, dim).transpose(0, 2, 1))
+    alone = np.empty((n_pairs, 16 * n_groups), np.float32)
+    for g in range(n_groups):
+        block = np.empty((n_pairs, 16), np.float32)
+        _scores_one_at_a_time(qs.reshape(-1), n_pairs, keys, 16 * g, block)
+        alone[:, 16 * g:16 * (g + 1)] = block
+    width = 16 * n_groups + 9
+    for lane_lo, lane_hi in ((0, 16 * n_groups), (5, 16 * n_groups - 3), (17, 18)):
+        out = np.full((n_pairs, width), -7.0, np.float32)
+        _grouped_scores(qs.reshape(-1), n_pairs, keys_t, out.reshape(-1), 4, width, lane_lo, lane_hi)
+        stored = slice(4 + max(lane_lo, 0), 4 + max(min(lane_hi, 16 * n_groups), lane_lo))
+        np.testing.assert_array_equal(out[:, stored], alone[:, stored.start - 4:stored.stop - 4])
+        assert (out[:, :stored.start] == -7).all() and (out[:, stored.stop:] == -7).all()
+
+
+def test_half_keys_are_converted_and_transposed_in_place():
+    rng = np.random.default_rng(3)
+    keys = rng.standard_normal((2, 3, 32, 64)).astype(np.float16)      # [kv, block, row, value]
+    cache = keys.view(np.uint8)
+    keys_t = np.full((3, 64, 16), np.nan, np.float32)
+    _half_keys_transposed(cache, 1, 2, 16, keys_t, 1)
+    np.testing.assert_array_equal(keys_t[1], keys[1, 2, 16:32].astype(np.float32).T)
+    assert np.isnan(keys_t[0]).all() and np.isnan(keys_t[2]).all()

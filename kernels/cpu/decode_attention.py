@@ -19,9 +19,11 @@ attend_rows, which decodes each block once for them all. A row that sees SPLIT_K
 takes them in two parts (split_point), each with its own softmax maximum and total, merged
 (merge_parts): the replay gives each part to a thread of its own (graph_replay.py).
 
-The pool holds K/V in its codec (kernels/cpu/kv_codecs.py: f16, q8_0 or q4_0); a task decodes
-the keys (then the values) of one block at a time into a float32 block of its own, in L1, and
-the sums run over those: quantized blocks are read directly, never copied whole.
+The pool holds K/V in its codec (kernels/cpu/kv_codecs.py: f16, q8_0 or q4_0), read in place,
+never copied whole: f16 keys are converted as the transpose loads them (transpose_half_keys) and
+f16 values as the weighted sums load them (weigh_half_pairs); q8_0/q4_0 rows are decoded a block at
+a time into a float32 block of the task's own, in L1. A decode row scores GROUPS groups of 16 keys
+a call, so that its few query heads (Gemma 3: 4, one KV head) still make enough FMA chains.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from kernels.cpu.key_scores import KEYS
 from kernels.cpu.elementwise import exp_shifted, round_to_half, row_max, softmax_numerators
 
 SPLIT_KEYS = 4096   # a row that sees this many keys or more takes them in two parts (split_point)
+GROUPS = 2          # groups of 16 keys a score call of a decode row (attend_part)
 ROW_TILE = 16       # rows of one sequence that share each decoded block (decode_attention's sequences)
 
 try:
@@ -167,22 +170,32 @@ def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, f
         for d in range(dim):
             qs[g, d] = q[b, first_head + g, d] * scale
     first_block, end_block = lo // block_size, (hi + block_size - 1) // block_size
-    keys_t = np.empty((dim, KEYS), np.float32)
     q_flat, s_flat = qs.reshape(-1), scores.reshape(-1)
-    vectors = block_size % KEYS == 0 and dim % KEYS == 0
-    for blk in range(first_block, end_block):     # one block's keys at a time
-        base = blk * block_size
-        j, stop = max(lo, base) - base, min(hi, base + block_size) - base
-        _decode_rows(k_cache, kv, table[blk], j, stop, codec, keys)
-        if vectors:
-            for g16 in range(j // KEYS * KEYS, stop, KEYS):
-                _transpose_keys(keys, g16, keys_t)
-                _score_pairs(q_flat, 0, group, keys_t, s_flat, base + g16 - lo, span, max(j, g16) - g16,
-                             min(stop, g16 + KEYS) - g16)
-            continue
-        for j in range(j, stop):
-            for g in range(group):
-                scores[g, base + j - lo] = _score_scalar(q_flat, g * dim, keys, j)
+    if block_size % KEYS == 0 and dim % KEYS == 0:
+        # GROUPS groups of 16 keys a call: a decode row's few query heads alone are too few chains
+        keys_t = np.empty((GROUPS, dim, KEYS), np.float32)
+        first_group, end_group = lo // KEYS, (hi + KEYS - 1) // KEYS
+        for run in range(first_group, end_group, GROUPS):
+            count = min(GROUPS, end_group - run)
+            for i in range(count):
+                key = (run + i) * KEYS
+                blk, j16 = key // block_size, key % block_size
+                if codec == kv_codecs.F16:
+                    _transpose_half_keys(k_cache, kv, table[blk], j16, keys_t, i)
+                else:
+                    _decode_rows(k_cache, kv, table[blk], j16, j16 + KEYS, codec, keys)
+                    _transpose_keys(keys, j16, keys_t[i])
+            first_key = run * KEYS
+            _score_pairs(q_flat, 0, group, keys_t[:count], s_flat, first_key - lo, span, max(lo - first_key, 0),
+                         min(hi - first_key, count * KEYS))
+    else:
+        for blk in range(first_block, end_block):     # one block's keys at a time
+            base = blk * block_size
+            j, stop = max(lo, base) - base, min(hi, base + block_size) - base
+            _decode_rows(k_cache, kv, table[blk], j, stop, codec, keys)
+            for j in range(j, stop):
+                for g in range(group):
+                    scores[g, base + j - lo] = _score_scalar(q_flat, g * dim, keys, j)
     bits = np.empty(span, np.int32)
     for g in range(group):
         maxes[g] = row_max(scores[g])
@@ -194,9 +207,13 @@ def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, f
             round_to_half(scores[g])
     acc_out[:, :] = np.float32(0.0)
     values = keys
+    half_values = codec == kv_codecs.F16 and dim % KEYS == 0     # f16 values weighed as they are loaded
     for blk in range(first_block, end_block):
         base = blk * block_size
         j0, stop = max(lo, base) - base, min(hi, base + block_size) - base
+        if half_values:
+            _weigh_half_pairs(s_flat, base - lo, span, group, v_cache, kv, table[blk], j0, stop, acc_out.reshape(-1), 0)
+            continue
         _decode_rows(v_cache, kv, table[blk], j0, stop, codec, values)
         weigh_values(values, j0, stop, scores, base - lo, acc_out)
 
@@ -261,14 +278,17 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
             for d in range(dim):
                 qs[r, g, d] = q[b0 + r, first_head + g, d] * scale
     first_block, end_block = lo_all // block_size, (n_all + block_size - 1) // block_size
-    keys_t = np.empty((dim, KEYS), np.float32)
+    keys_t_one = np.empty((1, dim, KEYS), np.float32)
+    keys_t = keys_t_one[0]
     width = n_all - lo_all
     q_flat, s_flat = qs.reshape(-1), scores.reshape(-1)
     vectors = block_size % KEYS == 0 and dim % KEYS == 0
+    half_cache = vectors and codec == kv_codecs.F16  # f16 keys (and values) converted as they are loaded
     for blk in range(first_block, end_block):
         base = blk * block_size
         j_all, stop_all = max(lo_all, base) - base, min(n_all, base + block_size) - base
-        _decode_rows(k_cache, kv, table[blk], j_all, stop_all, codec, keys)
+        if not half_cache:
+            _decode_rows(k_cache, kv, table[blk], j_all, stop_all, codec, keys)
         if not vectors:
             for r in range(n_rows):
                 lo, j, stop = _keys_in_block(ctx[b0 + r], window, base, block_size)
@@ -277,7 +297,10 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
                         scores[r, g, base + j - lo_all] = _score_scalar(q_flat, (r * group + g) * dim, keys, j)
             continue
         for g16 in range(j_all // KEYS * KEYS, stop_all, KEYS):
-            _transpose_keys(keys, g16, keys_t)
+            if half_cache:
+                _transpose_half_keys(k_cache, kv, table[blk], g16, keys_t_one, 0)
+            else:
+                _transpose_keys(keys, g16, keys_t)
             r = 0
             while r < n_rows:               # runs of rows that see the same of these 16 keys: one call each
                 first, last = _lanes_seen(ctx[b0 + r], window, base, block_size, g16)
@@ -314,15 +337,19 @@ def attend_rows(q, k_cache, v_cache, codec, table, ctx, scale, window, half, out
     values = keys
     for blk in range(first_block, end_block):
         base = blk * block_size
-        _decode_rows(v_cache, kv, table[blk], max(lo_all, base) - base, min(n_all, base + block_size) - base,
-                     codec, values)
+        if not half_cache:
+            _decode_rows(v_cache, kv, table[blk], max(lo_all, base) - base, min(n_all, base + block_size) - base,
+                         codec, values)
         r = 0
         while r < n_rows:                   # runs of rows that weigh the same values into the same part
             j0, stop, part = _values_seen(ctx[b0 + r], window, base, block_size)
             end = r + 1
             while end < n_rows and _values_seen(ctx[b0 + end], window, base, block_size) == (j0, stop, part):
                 end += 1
-            if j0 < stop and dim % KEYS == 0:
+            if j0 < stop and half_cache:
+                _weigh_half_pairs(s_flat, r * group * width + base - lo_all, width, (end - r) * group, v_cache, kv,
+                                  table[blk], j0, stop, acc_flat, (part * n_rows + r) * group * dim)
+            elif j0 < stop and dim % KEYS == 0:
                 _weigh_pairs(s_flat, r * group * width + base - lo_all, width, (end - r) * group, values, j0, stop,
                              acc_flat, (part * n_rows + r) * group * dim)
             elif j0 < stop:
@@ -365,6 +392,7 @@ if available():
     _values_seen = njit(inline="always")(_values_seen)
     _weigh_pairs, _fma = value_sums.weigh_pairs, key_scores.fma
     _transpose_keys, _score_pairs, _score_scalar = key_scores.transpose_keys, key_scores.score_pairs, key_scores.score_scalar
+    _transpose_half_keys, _weigh_half_pairs = key_scores.transpose_half_keys, value_sums.weigh_half_pairs
     split_point = njit(inline="always")(split_point)
     weigh_values = njit(inline="always")(weigh_values)
     merge_parts = njit(fastmath=True, cache=True, nogil=True)(merge_parts)

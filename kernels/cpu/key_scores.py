@@ -24,6 +24,8 @@ KEYS = 16          # keys a vector: a float32 vector of 64 bytes (AVX2 runs it a
 # queries whose chains share each key vector load (AVX-512: 8 accumulators and the keys of 32
 # registers; AVX2 holds each 16-float vector in two of its 16)
 CHAINS = 8 if isa.has("avx512f") else 4
+# pairs a tile of score_pairs' grouped form: 4 pairs x CHAINS / 4 groups, or 2 x CHAINS / 2 for 2 or fewer
+GROUPED_PAIRS = 4
 
 try:
     from llvmlite import ir
@@ -93,10 +95,55 @@ if available():
         return types.void(keys, j0, keys_t), codegen
 
     @intrinsic
+    def transpose_half_keys(typingctx, cache, kv, block, j0, keys_t, g):
+        """keys_t[g, d, l] = the float16 key in row j0 + l of block `block` of KV head kv, value d,
+        for l < 16 (cache: an f16 pool's bytes, uint8 [n_kv, blocks, block_size, 2 * dim], rows
+        j0 .. j0 + 15 inside the block; keys_t float32 [G, dim, 16], dim a multiple of 16): the
+        keys converted as they are loaded, with no float32 copy of the block."""
+        def codegen(context, builder, signature, args):
+            cache_a, kv_v, block_v, j0_v, out_a, g_v = args
+            at = signature.args
+            cache = context.make_array(at[0])(context, builder, cache_a)
+            strides = cgutils.unpack_tuple(builder, cache.strides)
+            dim = _shape(context, builder, at[4], out_a)[1]
+            i16x16 = ir.VectorType(ir.IntType(16), KEYS)
+            f16x16 = ir.VectorType(ir.HalfType(), KEYS)
+            src = builder.bitcast(cache.data, ir.IntType(8).as_pointer())
+            first = builder.add(builder.add(builder.mul(kv_v, strides[0]), builder.mul(block_v, strides[1])),
+                                builder.mul(j0_v, strides[2]))
+            dst = _pointer(context, builder, at[4], out_a, _F32x16)
+            dst_at = builder.mul(g_v, dim)
+            stages = _transpose_masks()
+            with cgutils.for_range(builder, builder.sdiv(dim, _I64(KEYS))) as loop:
+                c = builder.mul(loop.index, _I64(KEYS))          # this 16 x 16 square's first value
+                rows = []
+                for lane in range(KEYS):
+                    at_row = builder.add(builder.add(first, builder.mul(strides[2], _I64(lane))),
+                                         builder.mul(c, _I64(2)))
+                    ptr = builder.bitcast(builder.gep(src, [at_row]), i16x16.as_pointer())
+                    rows.append(builder.fpext(builder.bitcast(builder.load(ptr, align=1), f16x16), _F32x16))
+                for h, low, high in stages:
+                    nxt = list(rows)
+                    for i in range(KEYS):
+                        if i & h == 0:
+                            a, b = rows[i], rows[i + h]
+                            nxt[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, KEYS), low))
+                            nxt[i + h] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, KEYS), high))
+                    rows = nxt
+                for lane in range(KEYS):
+                    builder.store(rows[lane], builder.gep(dst, [builder.add(builder.add(dst_at, c), _I64(lane))]),
+                                  align=4)
+            return context.get_dummy_value()
+        return types.void(cache, kv, block, j0, keys_t, g), codegen
+
+    @intrinsic
     def score_pairs(typingctx, qs, q_at, n_pairs, keys_t, out, out_at, out_stride, lane_lo, lane_hi):
         """out[out_at + p * out_stride + l] = the sum over d of qs[q_at + p * dim + d] * keys_t[d, l]
         for p < n_pairs and lane_lo <= l < lane_hi (other lanes untouched: out_at + l may lie outside
-        out for them). qs and out are flat float32 arrays; keys_t float32 [dim, 16]."""
+        out for them). qs and out are flat float32 arrays; keys_t float32 [dim, 16], or [G, dim, 16]
+        for G groups of 16 keys side by side (lane l of group g is out's l + 16 g, lane_lo and
+        lane_hi then count over all G * 16): a decode row has only its few query heads, and each
+        group adds their chains (the latency of one FMA chain would otherwise bound the call)."""
         def codegen(context, builder, signature, args):
             qs_a, q_at_v, n_v, kt_a, out_a, out_at_v, stride_v, lo_v, hi_v = args
             at = signature.args
@@ -105,42 +152,70 @@ if available():
             store = cgutils.get_or_insert_function(
                 module, ir.FunctionType(ir.VoidType(), [_F32x16, _F32x16.as_pointer(), _I32, _MASK]),
                 "llvm.masked.store.v16f32.p0v16f32")
-            dim = _shape(context, builder, at[3], kt_a)[0]
+            shape = _shape(context, builder, at[3], kt_a)
+            grouped = at[3].ndim == 3
+            dim = shape[1] if grouped else shape[0]
+            n_groups = shape[0] if grouped else _I64(1)
             q_p = _pointer(context, builder, at[0], qs_a, _F32)
             kt_p = _pointer(context, builder, at[3], kt_a, _F32x16)
             out_p = _pointer(context, builder, at[4], out_a, _F32)
             lanes = ir.Constant(ir.VectorType(_I64, KEYS), list(range(KEYS)))
-            lo = builder.insert_element(ir.Constant(ir.VectorType(_I64, KEYS), ir.Undefined), lo_v, _I32(0))
-            hi = builder.insert_element(ir.Constant(ir.VectorType(_I64, KEYS), ir.Undefined), hi_v, _I32(0))
             zeros = ir.Constant(ir.VectorType(_I32, KEYS), [0] * KEYS)
-            lo = builder.shuffle_vector(lo, lo, zeros)
-            hi = builder.shuffle_vector(hi, hi, zeros)
-            mask = builder.and_(builder.icmp_signed(">=", lanes, lo), builder.icmp_signed("<", lanes, hi))
+
+            def splat_i64(v):
+                one = builder.insert_element(ir.Constant(ir.VectorType(_I64, KEYS), ir.Undefined), v, _I32(0))
+                return builder.shuffle_vector(one, one, zeros)
+
+            lo, hi = splat_i64(lo_v), splat_i64(hi_v)
             quarter = builder.sdiv(dim, _I64(PARTS))
 
-            def chains(p0, count):
-                """The pairs [p0, p0 + count): count chains sharing each key vector."""
-                sums = [cgutils.alloca_once(builder, _F32x16) for _ in range(count)]
-                accs = [cgutils.alloca_once(builder, _F32x16) for _ in range(count)]
+            def chains(p0, count, g0, groups):
+                """The pairs [p0, p0 + count) against the groups [g0, g0 + groups): count x groups
+                chains, each key vector loaded once for the pairs."""
+                sums = [[cgutils.alloca_once(builder, _F32x16) for _ in range(groups)] for _ in range(count)]
+                accs = [[cgutils.alloca_once(builder, _F32x16) for _ in range(groups)] for _ in range(count)]
                 rows = [builder.add(q_at_v, builder.mul(builder.add(p0, _I64(c)), dim)) for c in range(count)]
+                firsts = [builder.mul(builder.add(g0, _I64(g)), dim) for g in range(groups)]
                 for part in range(PARTS):
                     for c in range(count):
-                        builder.store(ir.Constant(_F32x16, None), accs[c])
+                        for g in range(groups):
+                            builder.store(ir.Constant(_F32x16, None), accs[c][g])
                     d_lo, d_hi = builder.mul(quarter, _I64(part)), builder.mul(quarter, _I64(part + 1))
                     with cgutils.for_range_slice(builder, d_lo, d_hi, _I64(1)) as (d, _):
-                        k = builder.load(builder.gep(kt_p, [d]), align=4)
+                        ks = [builder.load(builder.gep(kt_p, [builder.add(firsts[g], d)]), align=4)
+                              for g in range(groups)]
                         for c in range(count):
                             q = _splat(builder, builder.load(builder.gep(q_p, [builder.add(rows[c], d)])), _F32x16)
-                            builder.store(builder.call(fma, [q, k, builder.load(accs[c])]), accs[c])
+                            for g in range(groups):
+                                builder.store(builder.call(fma, [q, ks[g], builder.load(accs[c][g])]), accs[c][g])
                     for c in range(count):
-                        acc = builder.load(accs[c])
-                        builder.store(acc if part == 0 else builder.fadd(builder.load(sums[c]), acc), sums[c])
-                for c in range(count):
-                    o = builder.add(out_at_v, builder.mul(builder.add(p0, _I64(c)), stride_v))
-                    ptr = builder.bitcast(builder.gep(out_p, [o]), _F32x16.as_pointer())
-                    builder.call(store, [builder.load(sums[c]), ptr, _I32(4), mask])
+                        for g in range(groups):
+                            acc = builder.load(accs[c][g])
+                            builder.store(acc if part == 0 else builder.fadd(builder.load(sums[c][g]), acc), sums[c][g])
+                for g in range(groups):
+                    key0 = builder.mul(builder.add(g0, _I64(g)), _I64(KEYS))
+                    seen = builder.add(lanes, splat_i64(key0))
+                    mask = builder.and_(builder.icmp_signed(">=", seen, lo), builder.icmp_signed("<", seen, hi))
+                    for c in range(count):
+                        o = builder.add(builder.add(out_at_v, key0), builder.mul(builder.add(p0, _I64(c)), stride_v))
+                        ptr = builder.bitcast(builder.gep(out_p, [o]), _F32x16.as_pointer())
+                        builder.call(store, [builder.load(sums[c][g]), ptr, _I32(4), mask])
 
-            value_sums.in_chunks(builder, "pairs", n_v, CHAINS, 1, chains)
+            def tiles(pair_units, group_units):
+                value_sums.in_chunks(builder, "groups", n_groups, group_units, 1,
+                                     lambda g0, groups: value_sums.in_chunks(
+                                         builder, "pairs", n_v, pair_units, 1,
+                                         lambda p0, count: chains(p0, count, g0, groups)))
+
+            if not grouped:
+                tiles(CHAINS, 1)
+            else:   # few pairs (a decode row's heads): more groups a tile, CHAINS chains in all
+                few = builder.icmp_signed("<=", n_v, _I64(GROUPED_PAIRS // 2))
+                with builder.if_else(few) as (then, otherwise):
+                    with then:
+                        tiles(GROUPED_PAIRS // 2, CHAINS // (GROUPED_PAIRS // 2))
+                    with otherwise:
+                        tiles(GROUPED_PAIRS, CHAINS // GROUPED_PAIRS)
             return context.get_dummy_value()
         return types.void(qs, q_at, n_pairs, keys_t, out, out_at, out_stride, lane_lo, lane_hi), codegen
 
@@ -165,4 +240,4 @@ if available():
             total = acc if part == 0 else total + acc
         return total
 else:  # pragma: no cover
-    transpose_keys = score_pairs = score_scalar = fma = None
+    transpose_keys = transpose_half_keys = score_pairs = score_scalar = fma = None
