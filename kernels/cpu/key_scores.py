@@ -62,6 +62,18 @@ if available():
     def _shape(context, builder, aryty, ary):
         return cgutils.unpack_tuple(builder, context.make_array(aryty)(context, builder, ary).shape)
 
+    def _transposed(builder, rows: list) -> list:
+        """The 16 vectors of a 16 x 16 square transposed in registers (butterfly shuffles)."""
+        for h, low, high in _transpose_masks():
+            nxt = list(rows)
+            for i in range(KEYS):
+                if i & h == 0:
+                    a, b = rows[i], rows[i + h]
+                    nxt[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, KEYS), low))
+                    nxt[i + h] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, KEYS), high))
+            rows = nxt
+        return rows
+
     @intrinsic
     def transpose_keys(typingctx, keys, j0, keys_t):
         """keys_t[d, l] = keys[j0 + l, d] for l < 16 (keys float32 [>= j0 + 16, dim], dim a multiple
@@ -73,7 +85,6 @@ if available():
             src = _pointer(context, builder, at[0], keys_a, _F32)
             dst = _pointer(context, builder, at[2], out_a, _F32x16)
             row0 = builder.mul(j0_v, dim)
-            stages = _transpose_masks()
             with cgutils.for_range(builder, builder.sdiv(dim, _I64(KEYS))) as loop:
                 c = builder.mul(loop.index, _I64(KEYS))          # this 16 x 16 square's first value
                 rows = []
@@ -81,14 +92,7 @@ if available():
                     at_row = builder.add(builder.add(row0, builder.mul(dim, _I64(lane))), c)
                     ptr = builder.bitcast(builder.gep(src, [at_row]), _F32x16.as_pointer())
                     rows.append(builder.load(ptr, align=4))
-                for h, low, high in stages:
-                    nxt = list(rows)
-                    for i in range(KEYS):
-                        if i & h == 0:
-                            a, b = rows[i], rows[i + h]
-                            nxt[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, KEYS), low))
-                            nxt[i + h] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, KEYS), high))
-                    rows = nxt
+                rows = _transposed(builder, rows)
                 for lane in range(KEYS):
                     builder.store(rows[lane], builder.gep(dst, [builder.add(c, _I64(lane))]), align=4)
             return context.get_dummy_value()
@@ -113,7 +117,6 @@ if available():
                                 builder.mul(j0_v, strides[2]))
             dst = _pointer(context, builder, at[4], out_a, _F32x16)
             dst_at = builder.mul(g_v, dim)
-            stages = _transpose_masks()
             with cgutils.for_range(builder, builder.sdiv(dim, _I64(KEYS))) as loop:
                 c = builder.mul(loop.index, _I64(KEYS))          # this 16 x 16 square's first value
                 rows = []
@@ -122,14 +125,7 @@ if available():
                                          builder.mul(c, _I64(2)))
                     ptr = builder.bitcast(builder.gep(src, [at_row]), i16x16.as_pointer())
                     rows.append(builder.fpext(builder.bitcast(builder.load(ptr, align=1), f16x16), _F32x16))
-                for h, low, high in stages:
-                    nxt = list(rows)
-                    for i in range(KEYS):
-                        if i & h == 0:
-                            a, b = rows[i], rows[i + h]
-                            nxt[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, KEYS), low))
-                            nxt[i + h] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, KEYS), high))
-                    rows = nxt
+                rows = _transposed(builder, rows)
                 for lane in range(KEYS):
                     builder.store(rows[lane], builder.gep(dst, [builder.add(builder.add(dst_at, c), _I64(lane))]),
                                   align=4)
