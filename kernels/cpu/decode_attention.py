@@ -37,6 +37,7 @@ from kernels.cpu.elementwise import exp_shifted, round_to_half, row_max, softmax
 
 SPLIT_KEYS = 4096   # a row that sees this many keys or more takes them in two parts (split_point)
 GROUPS = 2          # groups of 16 keys a score call of a decode row (attend_part)
+AHEAD = 2           # blocks a decode row asks for ahead of their use (kv_codecs.prefetch_block)
 ROW_TILE = 16       # rows of one sequence that share each decoded block (decode_attention's sequences)
 
 try:
@@ -180,6 +181,8 @@ def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, f
             for i in range(count):
                 key = (run + i) * KEYS
                 blk, j16 = key // block_size, key % block_size
+                if j16 == 0 and blk + AHEAD < end_block:
+                    _prefetch_block(k_cache, kv, table[blk + AHEAD])
                 if codec == kv_codecs.F16:
                     _transpose_half_keys(k_cache, kv, table[blk], j16, keys_t, i)
                 else:
@@ -196,6 +199,8 @@ def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, f
             for j in range(j, stop):
                 for g in range(group):
                     scores[g, base + j - lo] = _score_scalar(q_flat, g * dim, keys, j)
+    for blk in range(first_block, min(first_block + AHEAD, end_block)):    # the first values, while the softmax runs
+        _prefetch_block(v_cache, kv, table[blk])
     bits = np.empty(span, np.int32)
     for g in range(group):
         maxes[g] = row_max(scores[g])
@@ -211,6 +216,8 @@ def attend_part(q, k_cache, v_cache, codec, table, lo, hi, scale, half, b, kv, f
     for blk in range(first_block, end_block):
         base = blk * block_size
         j0, stop = max(lo, base) - base, min(hi, base + block_size) - base
+        if blk + AHEAD < end_block:
+            _prefetch_block(v_cache, kv, table[blk + AHEAD])
         if half_values:
             _weigh_half_pairs(s_flat, base - lo, span, group, v_cache, kv, table[blk], j0, stop, acc_out.reshape(-1), 0)
             continue
@@ -386,7 +393,7 @@ def _decode_attention(q, k_cache, v_cache, codec, tables, ctx, starts, scale, wi
 
 
 if available():
-    _decode_rows = kv_codecs.decode_rows
+    _decode_rows, _prefetch_block = kv_codecs.decode_rows, kv_codecs.prefetch_block
     _keys_in_block = njit(inline="always")(_keys_in_block)
     _lanes_seen = njit(inline="always")(_lanes_seen)
     _values_seen = njit(inline="always")(_values_seen)

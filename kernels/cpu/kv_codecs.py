@@ -25,6 +25,7 @@ try:
     from llvmlite import ir
     from numba import njit, types
     from numba.extending import intrinsic
+    from numba.core import cgutils
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
@@ -247,6 +248,27 @@ if available():
         def codegen(context, builder, signature, args):
             return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
         return types.uint16(types.float32), codegen
+
+    @intrinsic
+    def prefetch_block(typingctx, cache, kv, block):
+        """Asks for block `block` of KV head kv of a pool (its bytes, uint8 [n_kv, blocks,
+        block_size, row bytes]) to be brought into the cache ahead of its use: a block is a few KiB
+        at an address the table picks, where the hardware's own prefetch does not reach."""
+        def codegen(context, builder, signature, args):
+            cache_a, kv_v, block_v = args
+            i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+            arr = context.make_array(signature.args[0])(context, builder, cache_a)
+            strides = cgutils.unpack_tuple(builder, arr.strides)
+            shape = cgutils.unpack_tuple(builder, arr.shape)
+            base = builder.gep(builder.bitcast(arr.data, i8p),
+                               [builder.add(builder.mul(kv_v, strides[0]), builder.mul(block_v, strides[1]))])
+            size = builder.mul(shape[2], strides[2])
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                "llvm.prefetch.p0i8")
+            with cgutils.for_range_slice(builder, i64(0), size, i64(64)) as (at, _):
+                builder.call(fn, [builder.gep(base, [at]), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+        return types.void(cache, kv, block), codegen
 
     values_in = njit(inline="always")(_values_in)
     _roundf = njit(inline="always")(_roundf)
