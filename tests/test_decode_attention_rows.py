@@ -1,14 +1,14 @@
-"""decode_attention.attend_rows, the attention of a verification chunk's rows (positions of one
+"""row_tile_attention.attend_rows, the attention of a verification chunk's rows (positions of one
 sequence, one block table) that decodes each block's keys and values once for all of them: every
 row's result bit-identical to decode_attention.attend's for that row alone (the replay takes
 either, and a speculative verification must give the tokens a plain decode gives), for every
 codec, windows whose edges fall inside blocks, heads split between calls, and 1-8 rows; and rows
-long enough to take their keys in two parts (decode_attention.split_point) against a float64
+long enough to take their keys in two parts (key_parts.split_point) against a float64
 softmax."""
 import numpy as np
 import pytest
 
-from kernels.cpu import decode_attention, kv_codecs
+from kernels.cpu import decode_attention, key_parts, kv_codecs, row_tile_attention
 from test_flash_attention import make_cache, reference
 
 pytestmark = pytest.mark.skipif(not decode_attention.available(), reason="needs numba")
@@ -42,12 +42,12 @@ def test_each_row_is_what_attend_gives_it_alone(codec, n_kv, heads, dim, block_s
             for b in range(rows):
                 decode_attention.attend(q, k, v, number, table, ctx[b], np.float32(0.125), window, half, alone,
                                         b, kv, g0, g1)
-            decode_attention.attend_rows(q, k, v, number, table, ctx, np.float32(0.125), window, half, together,
+            row_tile_attention.attend_rows(q, k, v, number, table, ctx, np.float32(0.125), window, half, together,
                                          0, rows, kv, g0, g1)
             np.testing.assert_array_equal(together, alone)
             if rows > 2:                             # a share of the rows, as a thread takes it
                 part = together.copy()
-                decode_attention.attend_rows(q, k, v, number, table, ctx, np.float32(0.125), window, half, part,
+                row_tile_attention.attend_rows(q, k, v, number, table, ctx, np.float32(0.125), window, half, part,
                                              1, rows - 1, kv, g0, g1)
                 np.testing.assert_array_equal(part, alone)
     assert not np.isnan(alone).any()
@@ -60,7 +60,7 @@ def test_rows_in_two_parts_match_a_float64_softmax(half, window):
     keys (a scale that makes one part's maximum dominate, so the merge's rescaling matters)."""
     rng = np.random.default_rng(3)
     depth, rows, block_size = 5000, 8, 16
-    ctx = np.array([decode_attention.SPLIT_KEYS - 1, decode_attention.SPLIT_KEYS, 4111, 4500, 4600, 4801, 4999,
+    ctx = np.array([key_parts.SPLIT_KEYS - 1, key_parts.SPLIT_KEYS, 4111, 4500, 4600, 4801, 4999,
                     5000], np.int64)
     n_blocks = -(-depth // block_size) + 1
     k_pool, v_pool = make_cache(rng, "f16", 1, n_blocks, block_size, 256)
@@ -69,7 +69,7 @@ def test_rows_in_two_parts_match_a_float64_softmax(half, window):
     q = rng.standard_normal((rows, 4, 256)).astype(np.float32)
     out = np.full(q.shape, np.nan, np.float32)
     for b in range(rows):
-        assert (decode_attention.split_point(int(ctx[b]), window, block_size) >= 0) == (b > 0)
+        assert (key_parts.split_point(int(ctx[b]), window, block_size) >= 0) == (b > 0)
         decode_attention.attend(q, k, v, number, table, ctx[b], np.float32(0.3), window, half, out, b, 0, 0, 4)
     np.testing.assert_allclose(out, reference(q, k_pool, v_pool, table, ctx, 0.3, window), atol=1e-3 if half else 1e-5, rtol=0)
 
@@ -84,7 +84,7 @@ def test_prompt_rows_in_tiles_are_each_rows_own(parallel):
     k_pool, v_pool = make_cache(rng, "f16", 3, n_blocks, block_size, 64)
     first = np.arange(300, dtype=np.int64)
     second = np.arange(300, 600, dtype=np.int64)[rng.permutation(300)]
-    ctx = np.concatenate([np.arange(decode_attention.SPLIT_KEYS - 20, decode_attention.SPLIT_KEYS + 30), [77],
+    ctx = np.concatenate([np.arange(key_parts.SPLIT_KEYS - 20, key_parts.SPLIT_KEYS + 30), [77],
                           np.arange(100, 137), [4500]]).astype(np.int64)
     sequences = np.array([0] * 50 + [1] + [2] * 37 + [3])
     tables = np.stack([first if s in (0, 3) else second for s in sequences])

@@ -1,5 +1,5 @@
 """Decode rows deep enough that attention takes their keys in two parts, one per thread
-(kernels/cpu/decode_attention.py split_point, replay_ops.py _attend_parts), replayed: the same
+(kernels/cpu/key_parts.py split_point, replay_ops.py _attend_parts), replayed: the same
 logits and K/V as the kernels, alone and batched, bit for bit."""
 import numpy as np
 import pytest
@@ -26,10 +26,10 @@ def fill_blocks(runner, table, rng):
 @pytest.mark.parametrize("model", MODELS)
 def test_rows_whose_keys_go_in_two_parts_replay_as_the_kernels_alone_and_batched(model, engines):
     """Decode rows deep enough that each attention takes their keys in two parts on two threads
-    (decode_attention.split_point; Gemma 3's global layers), beside a row that does not: the
+    (key_parts.split_point; Gemma 3's global layers), beside a row that does not: the
     replayed logits and K/V are the kernels', a row's the same alone and batched, and a
     verification chunk crossing SPLIT_KEYS gives each position's plain decode, bit for bit."""
-    from kernels.cpu.decode_attention import SPLIT_KEYS
+    from kernels.cpu.key_parts import SPLIT_KEYS
     runner = engines(model).runner
     ops = runner.ops
     if not ops.int8_matmul or runner.model.kv_caches[0][0].dtype != np.float16:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.cpu import (addresses, decode_attention, elementwise, input_coding, int8_matmul, kv_codecs, row_argmax,
-                         spin_barrier)
+from kernels.cpu import (addresses, decode_attention, elementwise, input_coding, int8_matmul, key_parts, kv_codecs,
+                         row_argmax, row_tile_attention, spin_barrier)
 from kernels.cpu.graph_capture import SHARED
 
 try:
@@ -44,9 +44,9 @@ if njit is not None and int8_matmul.available():
     _PAIR_TILES = int8_matmul.VNNI
     _quantize, _ROWS, _TILE = input_coding.quantize_two_levels, int8_matmul.ROWS, int8_matmul.TILE
     _meet, _round_to_half, _attend = spin_barrier.meet, elementwise.round_to_half, decode_attention.attend
-    _attend_rows = decode_attention.attend_rows
-    _attend_part, _merge_parts = decode_attention.attend_part, decode_attention.merge_parts
-    _split_point = decode_attention.split_point
+    _attend_rows = row_tile_attention.attend_rows
+    _attend_part, _merge_parts = decode_attention.attend_part, key_parts.merge_parts
+    _split_point = key_parts.split_point
     _encode_row, _values_in = kv_codecs.encode_row, kv_codecs.values_in
     _atomic_add, _prefetch = spin_barrier.atomic_add, spin_barrier.prefetch_l2
     _u8, _f32, _u8_4d = addresses.u8, addresses.f32, addresses.u8_4d
