@@ -394,8 +394,8 @@ class Engine:
             seq_id=seq.seq_id,
             token_ids=np.asarray(ids + [PLACEHOLDER] * (n - len(ids)), np.int64),   # ahead: being sampled
             start_pos=start,
-            block_table=np.asarray(seq.block_table, np.int32),
-            window_table=np.asarray(seq.window_table, np.int32) if self.window is not None else None,
+            block_table=seq.block_table.array(),
+            window_table=seq.window_table.array() if self.window is not None else None,
             prompt_len=len(seq.prompt),
             sample=done_prompt and start + n >= seq.num_tokens and seq.params.max_tokens > 0
             and (not seq.score_top_k or seq.generate_after_score),

@@ -5,6 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
+from scheduler.block_table import BlockTable
 from shared.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -33,10 +34,10 @@ class Sequence:
     top_logprobs: list[tuple] = field(default_factory=list)
     prompt_scores: list[tuple] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrivals))   # first-come-first-served order
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     # the sliding-window layers' own pool (scheduler/window_blocks.py), where the worker has one:
     # entry for entry beside block_table, -1 before window_start (released: out of every window)
-    window_table: list[int] = field(default_factory=list)
+    window_table: BlockTable = field(default_factory=BlockTable)
     window_start: int = 0
     num_computed: int = 0                      # tokens whose K/V is in the cache
     block_hashes: list[bytes] = field(default_factory=list)   # prefix-cache hashes of its full blocks

@@ -13,6 +13,7 @@ against both pools, and releases what left the windows before it plans a step.
 from __future__ import annotations
 
 from scheduler.block_manager import BlockManager
+from scheduler.block_table import BlockTable
 from scheduler.sequence import Sequence
 
 RELEASED = -1
@@ -64,7 +65,7 @@ class WindowBlocks:
 
     # ------------------------------------------------------------------ tables
     def admit(self, seq: Sequence, first: int, hit_ids: list[int]) -> None:
-        seq.window_table = [RELEASED] * first
+        seq.window_table = BlockTable([RELEASED] * first)
         seq.window_start = first
         self.manager.acquire(seq.window_table, hit_ids)
 

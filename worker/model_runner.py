@@ -310,16 +310,17 @@ class ModelRunner:
         return ForwardInput(token_ids, positions, meta, output_rows), output_rows
 
     def _pack_decode(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
-        """_pack for one token a chunk (the same arrays) in four numpy calls: each runs cold after
-        a step's weight streams (a 1-element add: 24-38 us), so the columns are Python lists until
-        one array holds them all. A chunk of several tokens (a verification: its last token and
-        drafts) becomes one decode row a position, each with its sequence's block table and
-        its own context: the pass is then marked rows_share_sequences."""
+        """_pack for one token a chunk (the same arrays) in a few numpy calls: each runs cold after
+        a step's weight streams (a 1-element add: 24-38 us), so the per-row columns are Python lists
+        until one array holds them all, while block tables stay arrays (a list of a deep sequence's
+        table would cost the host a step more the longer its context). A chunk of several tokens (a
+        verification: its last token and drafts) becomes one decode row a position, each with its
+        sequence's block table and its own context: the pass is then marked rows_share_sequences."""
         bs = self.capacity.block_size
         tables, columns, windowed = [], [], []
         shared = False
         for c in chunks:
-            table = c.block_table.tolist() if isinstance(c.block_table, np.ndarray) else list(c.block_table)
+            table = np.asarray(c.block_table)
             end = c.start_pos + len(c.token_ids)
             if len(table) * bs < end:
                 raise ValueError(f"sequence {c.seq_id}: block table has {len(table)} blocks, "
@@ -333,10 +334,9 @@ class ModelRunner:
                 tables.append(table)
                 if window is not None:
                     windowed.append(window)
-                columns.append((pos, pos + 1, table[block] * bs + offset, token, 1, len(columns)))
+                columns.append((pos, pos + 1, int(table[block]) * bs + offset, token, 1, len(columns)))
             self._remember(c, tokens)
-        width = max(len(t) for t in tables)
-        tables = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
+        tables = window_tables.stack_tables(tables)
         positions, context_lens, slots, token_ids, ones, rows = np.array(list(zip(*columns)), np.int64)
         meta = AttentionMetadata.for_decode(
             context_lens, tables, slots, rows=rows, query_lens=ones, rows_share_sequences=shared,

@@ -9,13 +9,13 @@ from kernels import AttentionMetadata
 from shared.step import SeqChunk
 
 
-def window_table(c: SeqChunk, block_size: int, end: int) -> list[int]:
-    """The chunk's windowed-pool table as a list covering `end` positions; blocks that have left the
-    window (-1) read as block 0, which the attention never reaches (it starts at the window)."""
+def window_table(c: SeqChunk, block_size: int, end: int) -> np.ndarray:
+    """The chunk's windowed-pool table covering `end` positions; blocks that have left the window (-1)
+    read as block 0, which the attention never reaches (it starts at the window)."""
     if c.window_table is None:
         raise ValueError(f"sequence {c.seq_id}: the worker keeps its sliding-window layers in a pool of their "
                          "own and the chunk has no window_block_table")
-    table = np.maximum(np.asarray(c.window_table), 0).tolist()   # one pass, not a Python loop a block
+    table = np.maximum(np.asarray(c.window_table), 0)
     if len(table) * block_size < end:
         raise ValueError(f"sequence {c.seq_id}: window block table has {len(table)} blocks, "
                          f"{-(-end // block_size)} needed for {end} tokens")
@@ -34,11 +34,21 @@ def chunks_meta(chunks: list[SeqChunk], block_size: int, query_lens: np.ndarray,
     return AttentionMetadata(query_lens, context_lens, tables, slots, causal=causal)
 
 
-def decode_meta(tables: list[list[int]], positions: np.ndarray, context_lens: np.ndarray, rows: np.ndarray,
+def stack_tables(tables: list[np.ndarray]) -> np.ndarray:
+    """Block tables, one per row, as one int64 array padded with block 0 (never read: past each
+    row's context)."""
+    if len(tables) == 1:
+        return tables[0].astype(np.int64)[None]
+    packed = np.zeros((len(tables), max(len(t) for t in tables)), np.int64)
+    for i, t in enumerate(tables):
+        packed[i, :len(t)] = t
+    return packed
+
+
+def decode_meta(tables: list[np.ndarray], positions: np.ndarray, context_lens: np.ndarray, rows: np.ndarray,
                 ones: np.ndarray, block_size: int, rows_share_sequences: bool) -> AttentionMetadata:
     """A decode pass's metadata in the windowed pool: `tables`, one per row."""
-    width = max(len(t) for t in tables)
-    packed = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
+    packed = stack_tables(tables)
     slots = packed[rows, positions // block_size] * block_size + positions % block_size
     return AttentionMetadata.for_decode(context_lens, packed, slots, rows=rows, query_lens=ones,
                                         rows_share_sequences=rows_share_sequences)
