@@ -113,6 +113,7 @@ def main() -> int:
 
     graph_replay._replay = timed_replay
     step_s: list[float] = []
+    host_s: list[float] = []                   # each step's time outside its region call
     log: list[np.ndarray] = []
     for n in range(args.sequences + 1):        # the first sequence warms up (and captures the program)
         seq = Sequence(rng.integers(1000, vocab - 1000, args.prompt).tolist(),
@@ -130,10 +131,12 @@ def main() -> int:
             replay.cycle_log = log
             regions.clear()
         while engine.engine.has_work():
+            in_region = len(regions)
             t = time.perf_counter()
             engine.engine.step()
             if n > 0:
                 step_s.append(time.perf_counter() - t)
+                host_s.append(step_s[-1] - sum(regions[in_region:]))
     graph_replay._replay = replay_call
 
     program = replay.program
@@ -143,8 +146,9 @@ def main() -> int:
     n_threads = len(per_step[0])
     print(f"{options['model']}: {len(log)} decode steps of {args.sequences} sequences ({args.prompt}-token prompts), "
           f"{n_threads} threads, time-stamp counter {rate / 1e3:.2f} GHz")
-    step_us, region_us = np.median(step_s) * 1e6, np.median(regions) * 1e6
-    print(f"step {step_us:.0f} us = region call {region_us:.0f} us + Python around it {step_us - region_us:.0f} us")
+    step_us, region_us, host_us = np.median(step_s) * 1e6, np.median(regions) * 1e6, np.median(host_s) * 1e6
+    print(f"step {step_us:.0f} us: region call {region_us:.0f} us, Python around it {host_us:.0f} us "
+          f"(medians; the Python's quartiles {np.percentile(host_s, 25) * 1e6:.0f}-{np.percentile(host_s, 75) * 1e6:.0f} us)")
     for th in range(n_threads):
         keys = list(per_step[0][th].keys())
         medians = {k: float(np.median([p[th][k] for p in per_step])) / rate for k in keys}
