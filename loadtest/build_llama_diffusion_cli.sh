@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's `llama-diffusion-cli` (the peer of loadtest/bench_diffusion.py, issue #30
 # item 8) from the llama.cpp sources vendored in the llama-cpp-python 0.3.36 sdist, as
-# docs/BENCHMARKS.md builds llama-server: native, no BLAS, no curl/openssl, no tests.
+# docs/BENCHMARKS.md builds llama-server: native (without AMX where it faults: native_flags.sh), no BLAS, no curl/openssl, no tests.
 #
 #   loadtest/build_llama_diffusion_cli.sh [DIR]      # default DIR: /work/peer-diffusion
 #
@@ -9,6 +9,7 @@
 # the binary is DIR/build/bin/llama-diffusion-cli (about 10-15 minutes on two cores).
 # PYTHON (default python3) runs `pip download`; JOBS (default 2) is the build's parallelism.
 set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
 
 VERSION=0.3.36
 DIR=${1:-/work/peer-diffusion}
@@ -30,7 +31,8 @@ if [ ! -f "$SRC/examples/diffusion/diffusion-cli.cpp" ]; then
   exit 1
 fi
 
-cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_BLAS=OFF \
+source "$HERE/native_flags.sh"
+cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release "${NATIVE_FLAGS[@]}" -DGGML_BLAS=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
   -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
 cmake --build "$DIR/build" --target llama-diffusion-cli -j"$JOBS"
