@@ -6,6 +6,7 @@ each range of batch sizes apart, and a paused range schedules as speculation off
 pause drafting, a copy-heavy text brings it back."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from scheduler.engine import Engine
@@ -202,6 +203,37 @@ def test_a_paused_range_pipelines_and_asks_a_costly_proposer_nothing_a_cheap_one
     feed(g, 1, 10, plain_s=0.010, draft_s=0.008, draft_tokens=2)
     assert spec.holds_pipelining(seqs[:1])       # drafting pays there
     assert SpeculativeController(Counting(), 3).holds_pipelining(seqs)    # no governor: always drafts
+
+
+def test_a_proposal_reads_only_the_tail_its_proposer_searches():
+    """A deep sequence's whole token list is not built each step: n-gram lookup gets the last
+    SEARCH_WINDOW tokens (and drafts what the whole context would give), a proposer that reads
+    no tokens none, one that does not say all of them."""
+    from scheduler.speculative.ngram import SEARCH_WINDOW, find_continuation
+
+    class Recording(NgramProposer):
+        def propose(self, requests):
+            self.seen = [list(r.tokens) for r in requests]
+            return super().propose(requests)
+
+    class Blind(Recording):
+        context_tokens = 0
+
+    class Whole(Recording):
+        context_tokens = None
+
+    prompt = [int(t) for t in np.random.default_rng(3).integers(10, 5000, 3 * SEARCH_WINDOW)] + [7, 8, 9]
+    seq = Sequence(prompt, greedy(8))
+    seq.output.extend([4, 7, 8])                 # the tail 7 8 occurred before, followed by 9
+    seq.num_computed = seq.num_tokens - 1
+    for proposer, want in ((Recording(2, 4), seq.tokens[-SEARCH_WINDOW:]), (Blind(2, 4), []),
+                           (Whole(2, 4), seq.tokens)):
+        plan = [(seq, 1)]
+        SpeculativeController(proposer, 3).draft(plan, 100, 100, _Blocks(), 100_000, batch_size=1)
+        assert proposer.seen == [want]
+        if want:                                 # the tail drafts what the whole list does
+            assert seq.draft_tokens == find_continuation(seq.tokens, 2, 4, 3) and seq.draft_tokens[0] == 9
+        seq.draft_tokens = []
 
 
 class _Blocks:

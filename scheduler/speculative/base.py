@@ -15,7 +15,9 @@ from typing import Sequence as TokenList
 @dataclass(frozen=True)
 class DraftRequest:
     seq_id: int
-    tokens: TokenList[int]     # prompt + generated tokens so far (the last one is the next input)
+    # prompt + generated tokens so far, the last one the next input: the last `context_tokens` of
+    # them where the proposer reads no more (a deep sequence's whole list costs the host a step)
+    tokens: TokenList[int]
     max_tokens: int            # propose at most this many (>= 1)
 
 
@@ -24,6 +26,8 @@ class Proposer(ABC):
     # whether a proposal costs nothing worth counting (no forward pass): then the controller also
     # asks for one while the cost governor has paused drafting, to see when drafts would pay again
     cheap: bool = False
+    # the trailing tokens of a sequence a proposal reads (None: all of them)
+    context_tokens: int | None = None
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:

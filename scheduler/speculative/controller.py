@@ -121,7 +121,8 @@ class SpeculativeController:
                 candidates.append((i, seq, limit))
         if not candidates or budget <= 0:
             return budget, free
-        proposals = self.proposer.propose([DraftRequest(s.seq_id, s.tokens, limit) for _, s, limit in candidates])
+        proposals = self.proposer.propose([DraftRequest(s.seq_id, self._context(s), limit)
+                                            for _, s, limit in candidates])
         bs = blocks.block_size
         for (i, seq, limit), drafts in zip(candidates, proposals):
             held = max(len(seq.block_table), blocks.blocks_needed(seq.num_computed + 1))   # with the decode's
@@ -153,11 +154,16 @@ class SpeculativeController:
             return
         self._shadow_turn += 1
         seq = waiting[self._shadow_turn % len(waiting)]
-        drafts = self.proposer.propose([DraftRequest(seq.seq_id, seq.tokens, 1)])[0]
+        drafts = self.proposer.propose([DraftRequest(seq.seq_id, self._context(seq), 1)])[0]
         if drafts:
             self._shadowed[seq.seq_id] = (seq, len(seq.output), int(drafts[0]))
         else:
             self.governor.shadow(batch_size, False)
+
+    def _context(self, seq: Sequence) -> list[int]:
+        """The tokens of `seq` a proposal reads: its last `context_tokens`, or all of them."""
+        keep, n = self.proposer.context_tokens, seq.num_tokens
+        return seq.tokens if keep is None else seq.token_slice(max(0, n - keep), n)
 
     def settle(self, seq: Sequence, chunk: SeqChunk, result: SeqResult) -> int:
         """Count a verified chunk and roll the sequence back to the K/V its kept tokens wrote;

@@ -20,6 +20,7 @@ PLACEHOLDER = -1        # a drafted position the worker fills in
 class DraftModelProposer(Proposer):
     name = "draft"
     worker_side = True      # the tokens come from the worker; the scheduler only sizes the drafts
+    context_tokens = 0
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         return [[PLACEHOLDER] * r.max_tokens for r in requests]

@@ -15,6 +15,7 @@ SEARCH_WINDOW = 4096
 class NgramProposer(Proposer):
     name = "ngram"
     cheap = True
+    context_tokens = SEARCH_WINDOW
 
     def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
