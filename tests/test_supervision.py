@@ -31,10 +31,10 @@ def served(tmp_path_factory):
     assert stop(proc, timeout=30) == 0
 
 
-def _complete(info: dict, max_tokens: int = 2, timeout: float = 30) -> httpx.Response:
+def _complete(info: dict, max_tokens: int = 2, timeout: float = 30, **extra) -> httpx.Response:
     return httpx.post(info["base"] + "/v1/completions", timeout=timeout,
                       json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens,
-                            "temperature": 0, "ignore_eos": True})
+                            "temperature": 0, "ignore_eos": True, **extra})
 
 
 def _restarts(info: dict, process: str) -> float:
@@ -44,9 +44,12 @@ def _restarts(info: dict, process: str) -> float:
 
 
 def _kill_mid_request(info: dict, pid: int) -> tuple[httpx.Response, float]:
-    """A long request in flight, the process killed under it: its answer, and the kill's time."""
+    """A long request in flight, the process killed under it: its answer, and the kill's time. Long
+    whatever the CPU: 2000 tokens without drafts (its greedy text repeats itself, so n-gram drafts
+    took 400 tokens in under the 1.5 s before the kill on a fast CPU)."""
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(r=_complete(info, max_tokens=400, timeout=120)))
+    thread = threading.Thread(target=lambda: result.update(
+        r=_complete(info, max_tokens=2000, timeout=120, speculative=False)))
     thread.start()
     time.sleep(1.5)
     killed_at = time.monotonic()
