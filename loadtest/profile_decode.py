@@ -10,7 +10,8 @@ the rate they streamed their codes and scales at), attention, the waits at the
 meetings, the element-wise operations, the copy of the result; then the step
 against the region and the Python around it.
 
-    python loadtest/profile_decode.py [--model smollm2-135m] [--sequences 4] [--tokens 80] [--prompt 16]
+    python loadtest/profile_decode.py [--model smollm2-135m] [--sequences 4] [--tokens 80] [--prompt 16 ...]
+                                      [--host-alone]
 """
 from __future__ import annotations
 
@@ -86,11 +87,51 @@ def phases(stamps: np.ndarray, labels: list[str], meets: list[bool]) -> list[dic
     return out
 
 
+def skipped_region(*args):
+    """The region call's stand-in for --host-alone: computes nothing, leaves a valid greedy token
+    (id 0) and zero logits, so the engine goes on as after a real step."""
+    result, greedy = args[-8], args[-6]
+    result[...] = 0.0
+    greedy[...] = 0
+
+
+def print_threads(log: list[np.ndarray], program) -> None:
+    labels, nbytes = op_labels(program)
+    per_step = [phases(s, labels, meetings(program)) for s in log]
+    rate = cycles_per_us()
+    for th in range(len(per_step[0])):
+        keys = list(per_step[0][th].keys())
+        medians = {k: float(np.median([p[th][k] for p in per_step])) / rate for k in keys}
+        region = medians.pop("region")
+        products = sum(us for k, us in medians.items() if k in nbytes)
+        print(f"thread {th}: region {region:.0f} us: products {products:.0f} us "
+              f"({sum(nbytes.values()) / products / 1e3:.1f} GB/s over all), the rest {region - products:.0f} us")
+        for k, us in sorted(medians.items(), key=lambda kv: -kv[1]):
+            count = labels.count(k.strip().replace("wait after ", ""))
+            times = f"({count} a step)" if count else ""
+            extra = f"  {nbytes[k] / us / 1e3:5.1f} GB/s" if k in nbytes and us > 0 else ""
+            print(f"  {k:32s} {us:8.1f} us  {100 * us / region:5.1f} %  {times}{extra}")
+
+
+def us(values: list[float]) -> str:
+    q1, med, q3 = np.percentile(values, [25, 50, 75]) * 1e6
+    return f"{med:.0f} us ({q1:.0f}-{q3:.0f})"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sequences", type=int, default=4, help="greedy sequences decoded one after another")
+    ap.add_argument("--sequences", type=int, default=4, help="greedy sequences decoded per prompt length")
     ap.add_argument("--tokens", type=int, default=80, help="decode steps per sequence")
-    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
+    ap.add_argument("--prompt", type=int, nargs="+", default=[16],
+                    help="prompt tokens per sequence; with several lengths, their sequences alternate in one "
+                         "process, so the depths are compared under the same conditions")
+    ap.add_argument("--host-alone", action="store_true",
+                    help="after each sequence's measured steps, as many again with the region call skipped: "
+                         "the host's own work a step at that depth, apart from what the region's reads of "
+                         "weights and K/V leave in the caches")
+    ap.add_argument("--evict", type=int, default=0, metavar="MIB",
+                    help="with --host-alone: read a buffer of MIB MiB before each of those steps (outside its "
+                         "time), so the host starts with caches emptied as by a region's reads")
     args, options = parse_with(ap, options_of(WorkerConfig, only=("model", "model_cache")))
 
     from kernels.cpu import graph_replay
@@ -111,56 +152,78 @@ def main() -> int:
         regions.append(time.perf_counter() - t)
         return out
 
-    graph_replay._replay = timed_replay
-    step_s: list[float] = []
-    host_s: list[float] = []                   # each step's time outside its region call
-    log: list[np.ndarray] = []
-    for n in range(args.sequences + 1):        # the first sequence warms up (and captures the program)
-        seq = Sequence(rng.integers(1000, vocab - 1000, args.prompt).tolist(),
-                       SamplingParams(max_tokens=args.tokens + 1, temperature=0.0, ignore_eos=True))
-        engine.engine.add(seq)
-        while not seq.output:
-            engine.engine.step()
-        if n == 1:
-            replays = [r for r in getattr(runner.ops, "_replays", {}).values() if r is not None and r.program.rows == 1]
-            if not replays:
-                print(f"{options['model']}: decode steps are not replayed on this machine (no 8-bit products, or "
-                      "the program could not be captured): nothing to profile", file=sys.stderr)
-                return 1
-            replay = replays[0]
-            replay.cycle_log = log
-            regions.clear()
-        while engine.engine.has_work():
+    evicting = np.ones(args.evict << 17)                # MiB of float64
+
+    def timed_steps(count: int, evict: bool = False) -> tuple[list[float], list[float]]:
+        """Each step's time and its time outside the region call."""
+        step_s, host_s = [], []
+        for _ in range(count):
+            if evict:
+                evicting.sum()
             in_region = len(regions)
             t = time.perf_counter()
             engine.engine.step()
-            if n > 0:
-                step_s.append(time.perf_counter() - t)
-                host_s.append(step_s[-1] - sum(regions[in_region:]))
+            step_s.append(time.perf_counter() - t)
+            host_s.append(step_s[-1] - sum(regions[in_region:]))
+        return step_s, host_s
+
+    graph_replay._replay = timed_replay
+    measured = {n: {"step": [], "region": [], "host": [], "alone": [], "log": []} for n in args.prompt}
+    steps_a_sequence = args.tokens * (2 if args.host_alone else 1)
+    replays = []
+    for round_ in range(args.sequences + 1):   # the first round warms up (and captures the program)
+        for n in (args.prompt if round_ else args.prompt[:1]):
+            seq = Sequence(rng.integers(1000, vocab - 1000, n).tolist(),
+                           SamplingParams(max_tokens=steps_a_sequence + 1, temperature=0.0, ignore_eos=True))
+            engine.engine.add(seq)
+            while not seq.output:
+                engine.engine.step()
+            if round_ == 0:
+                while engine.engine.has_work():
+                    engine.engine.step()
+                replays = [r for r in getattr(runner.ops, "_replays", {}).values()
+                           if r is not None and r.program.rows == 1]
+                if not replays:
+                    print(f"{options['model']}: decode steps are not replayed on this machine (no 8-bit products, "
+                          "or the program could not be captured): nothing to profile", file=sys.stderr)
+                    return 1
+                continue
+            m = measured[n]
+            for r in replays:
+                r.cycle_log = m["log"]
+            regions.clear()
+            step_s, host_s = timed_steps(args.tokens)
+            m["step"] += step_s
+            m["host"] += host_s
+            m["region"] += regions
+            for r in replays:
+                r.cycle_log = None
+            if args.host_alone:
+                graph_replay._replay = skipped_region
+                m["alone"] += timed_steps(args.tokens, evict=args.evict > 0)[1]
+                graph_replay._replay = timed_replay
+            while engine.engine.has_work():
+                engine.engine.step()
     graph_replay._replay = replay_call
 
-    program = replay.program
-    labels, nbytes = op_labels(program)
-    per_step = [phases(s, labels, meetings(program)) for s in log]
-    rate = cycles_per_us()
-    n_threads = len(per_step[0])
-    print(f"{options['model']}: {len(log)} decode steps of {args.sequences} sequences ({args.prompt}-token prompts), "
-          f"{n_threads} threads, time-stamp counter {rate / 1e3:.2f} GHz")
-    step_us, region_us, host_us = np.median(step_s) * 1e6, np.median(regions) * 1e6, np.median(host_s) * 1e6
-    print(f"step {step_us:.0f} us: region call {region_us:.0f} us, Python around it {host_us:.0f} us "
-          f"(medians; the Python's quartiles {np.percentile(host_s, 25) * 1e6:.0f}-{np.percentile(host_s, 75) * 1e6:.0f} us)")
-    for th in range(n_threads):
-        keys = list(per_step[0][th].keys())
-        medians = {k: float(np.median([p[th][k] for p in per_step])) / rate for k in keys}
-        region = medians.pop("region")
-        products = sum(us for k, us in medians.items() if k in nbytes)
-        print(f"thread {th}: region {region:.0f} us: products {products:.0f} us "
-              f"({sum(nbytes.values()) / products / 1e3:.1f} GB/s over all), the rest {region - products:.0f} us")
-        for k, us in sorted(medians.items(), key=lambda kv: -kv[1]):
-            count = labels.count(k.strip().replace("wait after ", ""))
-            times = f"({count} a step)" if count else ""
-            extra = f"  {nbytes[k] / us / 1e3:5.1f} GB/s" if k in nbytes and us > 0 else ""
-            print(f"  {k:32s} {us:8.1f} us  {100 * us / region:5.1f} %  {times}{extra}")
+    print(f"{options['model']}: {args.sequences} sequences of {args.tokens} measured decode steps per prompt "
+          f"length, {replays[0].n_threads} threads, lengths alternating; medians (quartiles)")
+    for n, m in measured.items():
+        print(f"{n}-token prompts: step {us(m['step'])}: region call {us(m['region'])}, "
+              f"the host around it {us(m['host'])}")
+        if args.host_alone:
+            after = f", after reading {args.evict} MiB" if args.evict else ""
+            print(f"{n}-token prompts: the host's work alone (region skipped{after}) {us(m['alone'])}")
+    if len(args.prompt) > 1:
+        base = args.prompt[0]
+        for n in args.prompt[1:]:
+            ratios = [f"host around the region {np.median(measured[n]['host']) / np.median(measured[base]['host']):.3f}x"]
+            if args.host_alone:
+                ratios.append(f"host work alone {np.median(measured[n]['alone']) / np.median(measured[base]['alone']):.3f}x")
+            print(f"{n} against {base} tokens: " + ", ".join(ratios))
+    for n, m in measured.items():
+        print(f"\n{n}-token prompts, per thread:")
+        print_threads(m["log"], replays[0].program)
     return 0
 
 

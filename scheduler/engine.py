@@ -415,7 +415,7 @@ class Engine:
         can share them."""
         full = computed // self.blocks.block_size
         if full > seq.num_committed_blocks and self.enable_prefix_caching:
-            self.blocks.extend_hashes(seq.block_hashes, seq.tokens, full)
+            self.blocks.extend_hashes(seq.block_hashes, seq.token_view, full)
             self.tables.commit(seq, full)
             seq.num_committed_blocks = full
             if self.checkpoints is not None:

@@ -92,10 +92,10 @@ class KVTables:
 
     def commit(self, seq: Sequence, full: int) -> None:
         """Register `seq`'s blocks up to `full`, now computed, in the prefix cache of each pool."""
-        self.blocks.commit(seq.block_table, seq.block_hashes, seq.num_committed_blocks, full, seq.tokens)
+        self.blocks.commit(seq.block_table, seq.block_hashes, seq.num_committed_blocks, full, seq.token_view)
         if self.window is not None:
             self.window.manager.commit(seq.window_table, seq.block_hashes, seq.num_committed_blocks, full,
-                                       seq.tokens)
+                                       seq.token_view)
 
     def _window_copy_of(self, block_id: int) -> int | None:
         return self.window.block_for(self.blocks.blocks[block_id].hash)

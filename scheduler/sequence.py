@@ -12,6 +12,25 @@ _ids = itertools.count()
 _arrivals = itertools.count()
 
 
+class TokenView:
+    """A sequence's tokens for slicing, without building the whole list: what the prefix cache
+    reads of a long context every block (a block's tokens), at a cost that does not grow with it."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: "Sequence") -> None:
+        self.seq = seq
+
+    def __len__(self) -> int:
+        return self.seq.num_tokens
+
+    def __getitem__(self, span: slice) -> list[int]:
+        start, stop, step = span.indices(self.seq.num_tokens)
+        if step != 1:
+            raise ValueError("a token view takes contiguous slices")
+        return self.seq.token_slice(start, stop)
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -55,6 +74,10 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def token_view(self) -> TokenView:
+        return TokenView(self)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """tokens[start:stop] without building the whole list (a step's chunk of a long context)."""

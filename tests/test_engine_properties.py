@@ -232,3 +232,15 @@ def test_pipelined_decode_launches_ahead_and_changes_nothing():
 def test_token_slice_is_a_slice_of_prompt_and_output(prompt, output, start, stop):
     seq = Sequence(list(prompt), SamplingParams(max_tokens=50), output=list(output))
     assert seq.token_slice(start, stop) == (prompt + output)[start:stop]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=12), st.lists(st.integers(0, 9), max_size=12),
+       st.one_of(st.none(), st.integers(-30, 30)), st.one_of(st.none(), st.integers(-30, 30)))
+def test_a_token_view_slices_as_the_token_list(prompt, output, start, stop):
+    seq = Sequence(list(prompt), SamplingParams(max_tokens=50), output=list(output))
+    view = seq.token_view
+    assert len(view) == len(prompt) + len(output)
+    assert view[start:stop] == (prompt + output)[start:stop]
+    seq.output.append(7)                       # a view follows the sequence it reads
+    assert view[start:stop] == (prompt + output + [7])[start:stop]
