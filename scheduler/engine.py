@@ -26,6 +26,7 @@ from scheduler.checkpoint_tier import CheckpointTier
 from scheduler.sequence import Sequence, Status
 from scheduler.speculative.controller import SpeculativeController
 from scheduler.kv_tables import KVTables
+from scheduler.prefix_cache import PrefixCache
 from shared.step import SeqChunk, StepRequest, StepResult
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ class Engine:
         self.running: list[Sequence] = []
         self._finished_ids: list[int] = []
         self.num_preemptions = 0                       # since start: sequences sent back to recompute
-        self.checkpoints = checkpoints if enable_prefix_caching else None
-        self.restored_tokens = 0                       # since start: prompt tokens restored from the stores
+        self.prefix = PrefixCache(self.tables, enable_prefix_caching, checkpoints)
+        self.checkpoints = self.prefix.checkpoints
         self.speculative = speculative                 # drafts for decodes (scheduler/speculative/)
         # step costs for the speculative cost governor: when the last result came back (None while
         # idle), and whether that step only decoded
@@ -97,6 +98,11 @@ class Engine:
             if seq.seq_id == seq_id:
                 seq.finish_reason = "abort"
                 self._finish(seq)
+
+    @property
+    def restored_tokens(self) -> int:
+        """Since start: prompt tokens restored from the prefix checkpoint stores."""
+        return self.prefix.restored_tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.preempted or self.running or self._in_flight)
@@ -164,7 +170,7 @@ class Engine:
             if not queue:
                 break
             seq = queue[0]
-            hits, partial = self._cached_prefix(seq)
+            hits, partial = self.prefix.lookup(seq)
             start = len(hits) * bs + (partial[1] if partial else 0)
             n = min(seq.num_tokens - start, budget)
             cost = self.tables.admission_cost(seq, hits, partial, start + n)
@@ -179,32 +185,6 @@ class Engine:
         for seq, n in plan:
             self.tables.grow(seq, seq.num_computed + n)
         return plan
-
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], tuple[int, int] | None]:
-        """Cached blocks a new sequence can start from, leaving at least one token to compute (its
-        logits are needed): its leading full blocks, and (block id, n) of a cached block after them
-        whose first n tokens it shares. Nothing when every prompt position must be scored. The
-        partial match is only sought after a full one: the first blocks of unrelated prompts share
-        little more than a chat template's opening tokens."""
-        if not self.enable_prefix_caching or seq.score_top_k:
-            return [], None
-        bs = self.blocks.block_size
-        n_blocks = (seq.num_tokens - 1) // bs
-        self.blocks.extend_hashes(seq.block_hashes, seq.tokens, n_blocks)
-        hits = self.blocks.lookup(seq.block_hashes[:n_blocks])
-        if self.checkpoints is not None and len(hits) < n_blocks and not seq.stores_checked:
-            restored = self.checkpoints.restore_into_pool(self.blocks, seq, hits, n_blocks, self.window)
-            if restored:
-                self.restored_tokens += restored * bs
-                hits = self.blocks.lookup(seq.block_hashes[:n_blocks])
-        hits = self.tables.usable_hits(seq, hits)
-        partial = None
-        start = len(hits) * bs
-        limit = min(bs - 1, seq.num_tokens - 1 - start)
-        if hits and limit > 0:
-            partial = self.tables.partial_usable(
-                self.blocks.partial_lookup(seq.block_hashes[len(hits) - 1], seq.tokens[start:start + limit]))
-        return hits, partial
 
     def _admit(self, seq: Sequence, hits: list[int], partial: tuple[int, int] | None = None) -> None:
         self.tables.admit(seq, hits, partial)          # with a copy of a partially shared block's first tokens
@@ -247,14 +227,14 @@ class Engine:
         once by the next one, launched before this one's result is read: its chunks carry
         the placeholder token -1 ("the token you sampled last for this sequence"), so the
         worker never waits for the scheduler between decode steps."""
-        self._release_exported()
+        self.prefix.release_exported()
         if self._last_done is None:
             self._last_done = self.clock()             # busy from here: the step's cost starts now
         if self._in_flight is None:
             plan = self._schedule()
             if not plan and self.checkpoints is not None and self.checkpoints.holding:
                 self.checkpoints.wait_for_release()    # blocks held for a checkpoint's export
-                self._release_exported()
+                self.prefix.release_exported()
                 plan = self._schedule()
             if not plan:
                 if self.has_work():
@@ -358,7 +338,7 @@ class Engine:
                         self._append(seq, r.token_id, r.logprob, r.top_ids, r.top_logprobs)
             emitted += len(seq.output) - had
             # the K/V written for positions whose input token the sequence kept
-            self._commit_full_blocks(seq, min(computed, seq.num_tokens))
+            self.prefix.commit(seq, min(computed, seq.num_tokens))
             if chunk.sample or seq.finish_reason:
                 progressed.append(seq)
             if seq.finish_reason:
@@ -409,25 +389,6 @@ class Engine:
             chunk.score_targets = np.asarray(nxt + [-1] * (n - len(nxt)), np.int64)
         seq.send_prefix = False
         return chunk
-
-    def _commit_full_blocks(self, seq: Sequence, computed: int) -> None:
-        """Register the blocks filled by a step that computed up to `computed`, so later prompts
-        can share them."""
-        full = computed // self.blocks.block_size
-        if full > seq.num_committed_blocks and self.enable_prefix_caching:
-            self.blocks.extend_hashes(seq.block_hashes, seq.token_view, full)
-            self.tables.commit(seq, full)
-            seq.num_committed_blocks = full
-            if self.checkpoints is not None:
-                self.checkpoints.save_prompt_blocks(self.blocks, seq, full, self.window)
-
-    def _release_exported(self) -> None:
-        """Drop the references held on blocks a checkpoint has finished exporting."""
-        if self.checkpoints is not None:
-            for held, window_held in self.checkpoints.released():
-                self.blocks.free(held)
-                if self.window is not None:
-                    self.window.manager.free(window_held)
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED

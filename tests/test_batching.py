@@ -86,18 +86,22 @@ def test_sliding_window_chunks_past_the_window_match_one_pass(engines):
 
 
 def test_decode_steps_pack_as_the_general_packing_does(engines):
-    """One token a chunk takes ModelRunner._pack_decode: the same arrays as _pack_chunks, with the
+    """One token a chunk takes step_packing.pack_decode: the same arrays as pack_chunks, with the
     metadata's derived tables filled in equal to what they compute, and the same error."""
     from kernels import AttentionMetadata
+    from worker import step_packing
     runner = engines(MODELS[0]).runner
     bs = runner.capacity.block_size
+
+    def pack_chunks(chunks):
+        return step_packing.pack_chunks(chunks, bs, runner.config.causal, runner.capacity.num_window_blocks > 0)
     chunks = [SeqChunk(300, np.array([11]), 0, np.array([4], np.int32), 1, sample=False),
               SeqChunk(301, np.array([12]), bs + 3, np.array([9, 2, 7], np.int32), 40, sample=False,
                        prefix_ids=np.arange(bs + 3)),
               SeqChunk(302, np.array([13]), 2 * bs, np.array([5, 6, 8], np.int32), 5, sample=False,
                        prefix_ids=np.arange(2 * bs))]
     fast, fast_rows = runner._pack(chunks)
-    slow, slow_rows = runner._pack_chunks(chunks)
+    slow, slow_rows = pack_chunks(chunks)
     for got, want in ((fast.token_ids, slow.token_ids), (fast.positions, slow.positions),
                       (fast.output_rows, slow.output_rows), (fast_rows, slow_rows)):
         np.testing.assert_array_equal(got, want)
@@ -115,6 +119,6 @@ def test_decode_steps_pack_as_the_general_packing_does(engines):
         assert got.dtype == want.dtype and got.flags.c_contiguous
     short = [SeqChunk(303, np.array([1]), 2 * bs, np.array([1, 2], np.int32), 3, sample=False,
                       prefix_ids=np.arange(2 * bs))]
-    for pack in (runner._pack, runner._pack_chunks):
+    for pack in (runner._pack, pack_chunks):
         with pytest.raises(ValueError, match="block table has 2 blocks, 3 needed"):
             pack(short)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import AttentionMetadata, get_backend
+from kernels import get_backend
 from shared.gguf_file import GGUFFile
 from shared.model_config import ModelConfig
 from shared.sampling_params import SamplingParams
@@ -20,7 +20,7 @@ from shared.step import SeqChunk, SeqResult, StepRequest, StepResult
 from worker.config import DEFAULT_KV_MEMORY
 from worker.diffusion.canvas_step import CanvasStep
 from worker.draft_model import DraftModel, check_vocabulary
-from worker import window_tables
+from worker import step_packing
 from worker.gpu_memory import DEFAULT_GPU_MEMORY_UTILIZATION, GpuBudget, weight_bytes
 from worker.kv_pool import DEFAULT_CODEC, KVCapacity, KVPool, plan_capacity
 from worker.models import ForwardInput, model_class
@@ -253,7 +253,7 @@ class ModelRunner:
 
     def _sample_and_verify(self, chunks: list[SeqChunk], logits: np.ndarray, results: list[SeqResult],
                            greedy: np.ndarray | None) -> None:
-        """A pass packed by _pack_decode with verification chunks: each chunk's rows in order."""
+        """A pass packed by step_packing.pack_decode with verification chunks: each chunk's rows in order."""
         plain, plain_rows = [], []
         row = 0
         for i, c in enumerate(chunks):
@@ -270,82 +270,16 @@ class ModelRunner:
                          greedy[at] if greedy is not None else None)
 
     def _pack(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
-        if self.config.causal and not any(c.score_top_k for c in chunks):
-            if all(len(c.token_ids) == 1 for c in chunks):
-                return self._pack_decode(chunks)
-            # drafts to verify: one decode row a position, when the backend replays such a pass
-            # (kernel by kernel, the chunk is faster as a chunk)
-            rows = sum(len(c.token_ids) for c in chunks)
-            replays = getattr(self.ops, "replays_decode_rows", None)
-            if (replays is not None and replays(rows, True)
-                    and all(len(c.token_ids) == 1 + c.num_draft and c.sample for c in chunks)):
-                return self._pack_decode(chunks)
-        return self._pack_chunks(chunks)
-
-    def _pack_chunks(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
-        bs = self.capacity.block_size
-        token_ids = np.concatenate([np.asarray(c.token_ids, np.int64) for c in chunks])
-        positions = np.concatenate([np.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in chunks])
-        query_lens = np.array([len(c.token_ids) for c in chunks], np.int64)
-        context_lens = np.array([c.start_pos + len(c.token_ids) for c in chunks], np.int64)
-        max_blocks = max(len(c.block_table) for c in chunks)
-        tables = np.zeros((len(chunks), max_blocks), np.int32)
-        for i, c in enumerate(chunks):
-            needed = -(-int(context_lens[i]) // bs)
-            if len(c.block_table) < needed:
-                raise ValueError(f"sequence {c.seq_id}: block table has {len(c.block_table)} blocks, "
-                                 f"{needed} needed for {context_lens[i]} tokens")
-            tables[i, :len(c.block_table)] = c.block_table
-        seq_index = np.repeat(np.arange(len(chunks)), query_lens)
-        slots = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        starts = np.cumsum(query_lens) - query_lens
-        output_rows = np.concatenate([
-            np.arange(s, s + q) if c.score_top_k else np.arange(s + q - 1 - c.num_draft, s + q)
-            for c, s, q in zip(chunks, starts, query_lens)])
+        """The forward's input for `chunks` (worker/step_packing.py) and the rows whose logits are
+        read; the runner then remembers each chunk's tokens."""
+        inp, rows = step_packing.pack(chunks, self.capacity.block_size, self.config.causal,
+                                      self.capacity.num_window_blocks > 0,
+                                      getattr(self.ops, "replays_decode_rows", None))
         for c in chunks:
             self._remember(c)
-        windowed = window_tables.chunks_meta(chunks, bs, query_lens, context_lens, positions, self.config.causal) \
-            if self.capacity.num_window_blocks else None
-        meta = AttentionMetadata(query_lens, context_lens, tables, slots, causal=self.config.causal, windowed=windowed)
-        return ForwardInput(token_ids, positions, meta, output_rows), output_rows
+        return inp, rows
 
-    def _pack_decode(self, chunks: list[SeqChunk]) -> tuple[ForwardInput, np.ndarray]:
-        """_pack for one token a chunk (the same arrays) in a few numpy calls: each runs cold after
-        a step's weight streams (a 1-element add: 24-38 us), so the per-row columns are Python lists
-        until one array holds them all, while block tables stay arrays (a list of a deep sequence's
-        table would cost the host a step more the longer its context). A chunk of several tokens (a
-        verification: its last token and drafts) becomes one decode row a position, each with its
-        sequence's block table and its own context: the pass is then marked rows_share_sequences."""
-        bs = self.capacity.block_size
-        tables, columns, windowed = [], [], []
-        shared = False
-        for c in chunks:
-            table = np.asarray(c.block_table)
-            end = c.start_pos + len(c.token_ids)
-            if len(table) * bs < end:
-                raise ValueError(f"sequence {c.seq_id}: block table has {len(table)} blocks, "
-                                 f"{-(-end // bs)} needed for {end} tokens")
-            window = window_tables.window_table(c, bs, end) if self.capacity.num_window_blocks else None
-            tokens = [int(t) for t in c.token_ids]
-            shared = shared or len(tokens) > 1
-            for j, token in enumerate(tokens):
-                pos = c.start_pos + j
-                block, offset = divmod(pos, bs)
-                tables.append(table)
-                if window is not None:
-                    windowed.append(window)
-                columns.append((pos, pos + 1, int(table[block]) * bs + offset, token, 1, len(columns)))
-            self._remember(c, tokens)
-        tables = window_tables.stack_tables(tables)
-        positions, context_lens, slots, token_ids, ones, rows = np.array(list(zip(*columns)), np.int64)
-        meta = AttentionMetadata.for_decode(
-            context_lens, tables, slots, rows=rows, query_lens=ones, rows_share_sequences=shared,
-            windowed=window_tables.decode_meta(windowed, positions, context_lens, rows, ones, bs, shared)
-            if windowed else None)
-        return ForwardInput(token_ids, positions, meta, rows), rows
-
-    def _remember(self, c: SeqChunk, tokens: list[int] | None = None) -> None:
-        """`tokens`: c.token_ids as ints, where the caller has them."""
+    def _remember(self, c: SeqChunk) -> None:
         state = self._seqs.get(c.seq_id)
         if state is None:
             state = _SeqState(tokens=[], prompt_len=c.prompt_len)
@@ -362,7 +296,7 @@ class ModelRunner:
             raise ValueError(f"sequence {c.seq_id} starts at position {c.start_pos} but the worker has seen "
                              f"{len(state.tokens)} of its tokens: send prefix_ids")
         del state.tokens[c.start_pos:]
-        state.tokens.extend(tokens if tokens is not None else (int(t) for t in c.token_ids))
+        state.tokens.extend(int(t) for t in c.token_ids)
         state.prompt_len = c.prompt_len
 
     def _sample(self, chunks: list[SeqChunk], logits: np.ndarray, results: list[SeqResult],
