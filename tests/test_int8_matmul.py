@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.cpu import CPUBackend, int8_matmul  # noqa: E402
+from kernels.cpu import CPUBackend, int8_matmul, int8_weights  # noqa: E402
 from shared.dequant import dequantize  # noqa: E402
 from test_quantized_matmul import random_tensor  # noqa: E402
 
@@ -41,7 +41,7 @@ def two_level_coding(x: np.ndarray, group: int):
 
 def byte_codes(raw: np.ndarray, name: str, shape: tuple[int, int]):
     """The kernel's codes, checked to give back ggml's weights exactly: fl(scale * code) + offset."""
-    codes, scale, offset, group = int8_matmul._byte_split(raw, int(T[name]), shape, None)
+    codes, scale, offset, group = int8_weights._byte_split(raw, int(T[name]), shape, None)
     rebuilt = (codes.reshape(shape[0], -1, group) * scale[:, :, None]).astype(np.float32) + offset[:, :, None]
     np.testing.assert_array_equal(rebuilt.reshape(shape), dequantize(raw, T[name], shape))
     return codes, scale, offset, group

@@ -12,9 +12,9 @@ import numpy as np
 
 from kernels import AttentionMetadata, switches
 from kernels.cpu import (attention, decode_attention, elementwise, get_rows, graph_capture, graph_replay, int8_matmul,
-                         kv_codecs, logit_stats, quantized, row_matmul)
+                         int8_weights, kv_codecs, logit_stats, quantized, row_matmul)
 from kernels.cpu.arena import HugePageArena, resident_zeros
-from kernels.cpu.int8_matmul import Int8Matrix
+from kernels.cpu.int8_weights import Int8Matrix
 from kernels.cpu.quantized import QuantizedMatrix
 from kernels.cpu.row_matmul import RowMatrix
 from shared.dequant import dequantize_rows
@@ -98,7 +98,7 @@ class CPUBackend:
         """8-bit products only for a model whose every matrix has byte codes: one matrix on
         OpenBLAS would put both thread pools in every pass, and its rows would stop being
         computed alone (on 2 cores Gemma 3's mixed types made batched decode 4x slower)."""
-        self.int8_matmul = self.int8_allowed and bool(ggml_types) and ggml_types <= int8_matmul.BYTE_CODE_TYPES
+        self.int8_matmul = self.int8_allowed and bool(ggml_types) and ggml_types <= int8_weights.BYTE_CODE_TYPES
 
     @property
     def products(self) -> str:

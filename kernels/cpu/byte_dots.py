@@ -7,7 +7,7 @@ Each takes 64-byte vectors of weight codes, [16 outputs, 4 inputs], and four inp
 * AVX2, signed codes (Q8_0's): llama.cpp's sequence on each 32-byte half,
   vpmaddubsw(|code|, q * sign(code)) summed in pairs by vpmaddwd with ones.
 * AVX2, unsigned codes: vpmaddubsw(code, q) added in 16 bits over a run of steps, then
-  widened once by vpmaddwd (int8_matmul.avx2_layout picks the run that cannot overflow).
+  widened once by vpmaddwd (int8_weights.avx2_layout picks the run that cannot overflow).
 
 The sums are exact integers whichever way they are taken.
 """

@@ -4,7 +4,7 @@ The weights stay in their GGUF codes, biased to unsigned bytes when signed: the
 block's code with its d (and minimum m) for the 32-weight types, each sub-block's
 code with d * sc (and -dmin * m) for Q4_K/Q5_K, groups of 16 for Q6_K;
 fl(scale * code) + offset must give back ggml's weight bit for bit, or the matrix
-is not taken. Each input row is coded per group of 32 (16) inputs in two 8-bit
+is not taken (kernels/cpu/int8_weights.py lays them out). Each input row is coded per group of 32 (16) inputs in two 8-bit
 levels: first as ggml codes activations (quantize_row_q8_0: q0 = round(x * 127 / max|x|),
 d = max|x| / 127), then what that leaves, x - d * q0, in steps of e = d / 254
 (kernels/cpu/input_coding.py). Per output n and group g
@@ -15,7 +15,7 @@ d = max|x| / 127), then what that leaves, x - d * q0, in steps of e = d / 254
 with s[g] the float32 sum of the group's inputs: the two levels' integer sums meet before one
 conversion to float (they stay below 2**28: 32 * 255 * 127 * 255). The integer sums are taken by
 `vpdpbusd` (64 byte products an instruction), or on AVX2 by `vpmaddubsw` (codes of
-4-6 bits stored unsigned and summed in 16 bits over several steps, see avx2_layout;
+4-6 bits stored unsigned and summed in 16 bits over several steps, see int8_weights.avx2_layout;
 kernels/cpu/byte_dots.py), instead of float32 FMAs on weights four times the size.
 One level, as llama.cpp multiplies, was 12-37 % faster (prefill, 32-sequence decode)
 but left the input's 8-bit rounding in every product: one ulp of an RMSNorm scale moved
@@ -31,14 +31,10 @@ Only built where the CPU has AVX-512 VNNI or AVX2 (llvmlite reports the host's f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-from gguf import quants as gguf_quants
 
-from kernels.cpu import byte_dots, input_coding, isa, quantized
-from shared.dequant import dequantize
+from kernels.cpu import byte_dots, input_coding, int8_weights, isa
+from kernels.cpu.int8_weights import TILE, Int8Matrix
 
 try:
     from llvmlite import ir
@@ -48,9 +44,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     njit = None
 
-TILE = 32           # outputs per tile: two 16-lane vectors
 LEVELS = 2         # 8-bit codings of each input: ggml's, then what it leaves in 1/254 of its step
-BYTE_CODE_TYPES = frozenset(int(t) for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K))
 # Passes of this many rows and more code their inputs in parallel; fewer (decode, the logits of a
 # few rows) on the calling thread, without a second parallel region a product.
 PARALLEL_CODING_ROWS = 8
@@ -59,34 +53,20 @@ VNNI = njit is not None and isa.has("avx512f", "avx512bw", "avx512vnni")  # TS_M
 # sequence: vpmaddubsw needs an unsigned operand and saturates at 16 bits, so the codes are kept
 # signed (no bias) and multiplied as |code| times q with the code's sign (128 * 127 * 2 < 2**15).
 AVX2 = njit is not None and not VNNI and isa.has("avx2", "fma")
-# The codes are prefetched into L2 PREFETCH_VECTORS 64-byte vectors ahead of the loads: both lines
-# of each step 16 KiB ahead, except VNNI on AMD: every other line, 8 KiB ahead. On a Xeon the
-# hardware prefetcher alone kept one-row products of every SmolLM2 matrix at ~22-24 GB/s on 2
-# cores whose OpenBLAS sgemv streams ~29; 8 KiB ahead, every other line, gave 25-28. On a Zen 3
-# EPYC (AVX2) one thread over a 210 MB matrix read 10.8 GB/s with no hint (sgemv: 21); both lines,
-# 16 KiB ahead: 19-27 (2 threads 25-40, as the host's memory moved); 8, 24 or 32 KiB were no better,
-# nor was prefetching the scales and offsets as well. On a Zen 4 EPYC (VNNI) both lines 16 KiB
-# ahead were the slower: SmolLM2 decode products 31.2 GB/s against 32.5 every other line 8 KiB
-# ahead, steps 6.62 against 6.24 ms (three rounds of make profile-decode, each variant in its own
-# process). On an Intel Xeon (2026-12-05, VNNI) it was the other way: decode steps with both lines
-# took 0.91 of the time of every other line (SmolLM2 and Gemma 3, in-process A/B in random order,
-# 10-12 rounds, A/A 0.98-1.00); 8 to 24 KiB ahead were within 1 %, 32 KiB 3 % slower
-# (docs/BENCHMARKS.md).
+# The codes are prefetched into L2 PREFETCH_VECTORS 64-byte vectors ahead of the loads: the hardware
+# prefetcher alone left one-row products well below what the memory streams. Both lines of each step
+# 16 KiB ahead, except VNNI on AMD: every other line, 8 KiB ahead, the faster there (on Intel the
+# other way round; measurements in docs/benchmarks-history.md).
 ONE_LINE_IN_TWO = VNNI and isa.vendor() == "amd"
 PREFETCH_VECTORS = 128 if ONE_LINE_IN_TWO else 256
 PREFETCH_LINES = 1 if ONE_LINE_IN_TWO else 2
-# One input row on AVX2 (a decode step's products) once asked for its codes non-temporally instead
-# (prefetchnta, both lines of a step, 2 KiB ahead: each code is read once). On a Zen 3 EPYC one
-# 151 MB product ran 1.11x as fast, but decode steps only 0.99 of the time (in-process A/B, within
-# what an A/A run moves); on an Intel Xeon capped to AVX2 (TS_MAX_CPU_ISA=avx2) SmolLM2's decode
-# steps took 1.81x the time of the L2 hint (12.4 against 6.8 ms, 12 rounds in random order), and
-# on a Zen 4 so capped the L2 hint was as fast. One row takes the L2 hint everywhere now.
+# One input row takes the same L2 hint: a non-temporal one (each code is read once) was no faster
+# on AMD and much slower on an Intel Xeon capped to AVX2 (docs/benchmarks-history.md).
 INTO_L2 = 2                          # llvm.prefetch locality: prefetcht1
 # Input rows a micro-kernel call. With VNNI's 32 registers, 3 rows x 2 levels x 2 halves of
 # accumulators fit (4 rows ran out). AVX2 has 16, and its 16-bit runs keep 8 accumulators a row:
-# 3 rows spilled them to the stack every step. One row at a time reads the tile's codes again
-# from L1 for each row, and was the faster: 32 rows of SmolLM2's products took 0.62-0.83 of the
-# time (Zen 3 EPYC; the integer sums, and so the results, are the same).
+# 3 rows spilled them to the stack every step, so one row at a time, rereading the tile's codes
+# from L1, is the faster (the integer sums, and so the results, are the same).
 ROWS = 3 if VNNI else 1
 
 
@@ -94,129 +74,10 @@ def available() -> bool:
     return VNNI or AVX2
 
 
-@dataclass(frozen=True)
-class Int8Matrix:
-    """An [out, in] matrix as unsigned byte codes with per-group scale and offset, tiled by outputs."""
-    codes: np.ndarray      # uint8 [n_tiles, groups, group // 4, TILE, 4], flattened
-    scale: np.ndarray      # float32 [n_tiles, groups, TILE], flattened
-    offset: np.ndarray     # float32 [n_tiles, groups, TILE], flattened; empty when every offset is 0
-    bias: int              # what was added to the codes to store them unsigned (VNNI: 128 if signed)
-    out_features: int
-    in_features: int
-    group: int
-    run: int = 0           # AVX2: steps of 4 inputs summed in 16 bits before widening; 0: signed codes
-
-    @property
-    def n_tiles(self) -> int:
-        return -(-self.out_features // TILE)
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.offset.nbytes
-
-
 def from_parts(parts: list[tuple[np.ndarray, int, tuple[int, int]]], dense: np.ndarray | None = None
                ) -> Int8Matrix | None:
-    """One matrix for this kernel from [out, in] GGUF tensors stacked along `out` (`dense`: their
-    stacked float32 decoding, when the caller has it), or None when a part's type has no byte codes
-    or its codes do not give back ggml's weights bit for bit."""
-    n_in = parts[0][2][1]
-    codes, scales, offsets, groups = [], [], [], []
-    first_row = 0
-    for raw, ggml_type, (n_out, part_in) in parts:
-        if part_in != n_in or n_in % 32:
-            return None
-        raw = np.asarray(raw, dtype=np.uint8).reshape(n_out, -1)
-        for r0 in range(0, n_out, _CHUNK_ROWS):
-            rows = raw[r0:r0 + _CHUNK_ROWS]
-            weight = dense[first_row + r0:first_row + r0 + rows.shape[0]] if dense is not None else None
-            split = _byte_split(rows.reshape(-1), int(ggml_type), (rows.shape[0], n_in), weight)
-            if split is None:
-                return None
-            for out, value in zip((codes, scales, offsets, groups), split):
-                out.append(value)
-        first_row += n_out
-    group = min(groups)             # 16 when a part has sub-blocks of 16 (Q6_K): the others repeat theirs
-    scale = np.concatenate([np.repeat(s, g // group, axis=1) for s, g in zip(scales, groups)])
-    offset = np.concatenate([np.repeat(o, g // group, axis=1) for o, g in zip(offsets, groups)])
-    lo = min(int(c.min(initial=0)) for c in codes)
-    hi = max(int(c.max(initial=0)) for c in codes)
-    if VNNI:
-        (bias, run), stored = (128 if lo < 0 else 0, 0), (0, 255)
-    else:
-        bias, run = avx2_layout(lo, hi)
-        stored = (0, 129) if run else (-128, 127)      # signed codes: their bytes, for the sign trick
-    if lo + bias < stored[0] or hi + bias > stored[1]:
-        return None
-    n_out = scale.shape[0]
-    n_tiles = -(-n_out // TILE)
-    padded = np.zeros((n_tiles * TILE, n_in), np.uint8)
-    row = 0
-    for c in codes:
-        padded[row:row + c.shape[0]] = (c + bias) & 0xFF        # int16 codes: AVX2's negative ones as bytes
-        row += c.shape[0]
-    # [tile, out, group, step, 4] -> [tile, group, step, out, 4]: one 64-byte load feeds 16 outputs
-    tiled = padded.reshape(n_tiles, TILE, n_in // group, group // 4, 4).transpose(0, 2, 3, 1, 4)
-    return Int8Matrix(np.ascontiguousarray(tiled).reshape(-1), _tile_groups(scale, n_tiles),
-                      _tile_groups(offset, n_tiles) if np.any(offset) else np.zeros(0, np.float32),
-                      bias, n_out, n_in, group, run)
-
-
-def avx2_layout(lo: int, hi: int) -> tuple[int, int]:
-    """(bias, run) for codes in [lo, hi] on AVX2. vpmaddubsw multiplies unsigned bytes by signed ones
-    and saturates each pair's sum at 16 bits: codes spanning at most 129 values are stored unsigned
-    (code - lo), so 2 * 129 * 127 < 2**15 and no sign trick is needed, and a run of steps whose pair
-    sums still fit in 16 bits is added with vpaddw before one vpmaddwd widens it (4-bit codes: 8
-    steps, a whole group of 32). Wider codes (Q8_0's 256 values) stay signed: run 0."""
-    bias = max(0, -lo)
-    largest = hi + bias
-    if largest > 129:
-        return 0, 0
-    run = 8
-    while run > 1 and run * 2 * largest * 127 > 2 ** 15 - 1:
-        run //= 2
-    return bias, run
-
-
-_CHUNK_ROWS = 8192
-
-
-def _tile_groups(a: np.ndarray, n_tiles: int) -> np.ndarray:
-    """[out, groups] -> [tile, groups, TILE] flattened, zero-padded."""
-    padded = np.zeros((n_tiles * TILE, a.shape[1]), np.float32)
-    padded[:a.shape[0]] = a
-    return np.ascontiguousarray(padded.reshape(n_tiles, TILE, -1).transpose(0, 2, 1)).reshape(-1)
-
-
-def _byte_split(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], weight: np.ndarray | None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
-    """(codes int16 [out, in], scale and offset float32 [out, in // group], group) such that
-    fl(scale * code) + offset is ggml's weight exactly: the block's d (and minimum m) for the 32-weight
-    types, and for the k-quants each sub-block's d * sc (and -dmin * m), as ggml decodes them."""
-    if ggml_type in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
-        split = quantized.split_codes(raw, ggml_type, shape, weight)
-        return None if split is None else (split[0], split[1], split[2][:, ::2].copy(), 32)
-    n_out, n_in = shape
-    blocks = raw.reshape(-1, GGML_QUANT_SIZES[T(ggml_type)][1])
-    if ggml_type in (T.Q4_K, T.Q5_K):                  # y = (d * sc) * q - dmin * m, sub-blocks of 32
-        sc, m = gguf_quants.Q4_K.get_scale_min(blocks[:, 4:16])
-        scale = quantized._f16(blocks, 0)[:, None] * sc.astype(np.float32)
-        offset = -(quantized._f16(blocks, 2)[:, None] * m.astype(np.float32))
-        group = 32
-    elif ggml_type == T.Q6_K:                          # y = (d * sc) * (q - 32), sub-blocks of 16
-        scale = quantized._f16(blocks, 208)[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
-        offset = np.zeros_like(scale)
-        group = 16
-    else:
-        return None
-    scale, offset = scale.reshape(n_out, -1), offset.reshape(n_out, -1)
-    if weight is None:
-        weight = dequantize(raw, ggml_type, shape)
-    codes = np.empty(shape, np.int16)
-    if not quantized._encode(np.ascontiguousarray(weight, dtype=np.float32), scale,
-                             np.repeat(offset, group // 16, axis=1), group, codes):
-        return None
-    return codes, scale, offset, group
+    """int8_weights.from_parts laid out for this CPU's kernel."""
+    return int8_weights.from_parts(parts, dense, vnni=VNNI)
 
 
 if available():
