@@ -11,11 +11,12 @@ meetings, the element-wise operations, the copy of the result; then the step
 against the region and the Python around it.
 
     python loadtest/profile_decode.py [--model smollm2-135m] [--sequences 4] [--tokens 80] [--prompt 16 ...]
-                                      [--host-alone]
+                                      [--host-alone [--evict MIB]]
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 from collections import defaultdict
@@ -87,12 +88,16 @@ def phases(stamps: np.ndarray, labels: list[str], meets: list[bool]) -> list[dic
     return out
 
 
-def skipped_region(*args):
-    """The region call's stand-in for --host-alone: computes nothing, leaves a valid greedy token
-    (id 0) and zero logits, so the engine goes on as after a real step."""
-    result, greedy = args[-8], args[-6]
-    result[...] = 0.0
-    greedy[...] = 0
+def skipping_region(replay_call):
+    """A stand-in for the region call, for --host-alone: computes nothing, leaves a valid greedy
+    token (id 0) and zero logits, so the engine goes on as after a real step."""
+    names = list(inspect.signature(replay_call.py_func).parameters)
+    at_result, at_greedy = names.index("result"), names.index("greedy")
+
+    def skipped_region(*args):
+        args[at_result][...] = 0.0
+        args[at_greedy][...] = 0
+    return skipped_region
 
 
 def print_threads(log: list[np.ndarray], program) -> None:
@@ -167,6 +172,7 @@ def main() -> int:
             host_s.append(step_s[-1] - sum(regions[in_region:]))
         return step_s, host_s
 
+    skipped = skipping_region(replay_call)
     graph_replay._replay = timed_replay
     measured = {n: {"step": [], "region": [], "host": [], "alone": [], "log": []} for n in args.prompt}
     steps_a_sequence = args.tokens * (2 if args.host_alone else 1)
@@ -199,7 +205,7 @@ def main() -> int:
             for r in replays:
                 r.cycle_log = None
             if args.host_alone:
-                graph_replay._replay = skipped_region
+                graph_replay._replay = skipped
                 m["alone"] += timed_steps(args.tokens, evict=args.evict > 0)[1]
                 graph_replay._replay = timed_replay
             while engine.engine.has_work():
